@@ -7,7 +7,8 @@ Validation and test values are exact under DDP: accuracy and the example-weighte
 loss are torchmetrics states summed over ranks. (Lightning's own ``sync_dist`` mean divides
 an all-reduced integer example count by the world size, which truncates when ranks saw
 different numbers of examples, as they do in evaluation without padding.) The training
-loss (``train/loss_step``, ``train/loss_epoch``) is rank 0's.
+loss (``train/loss_step``, ``train/loss_epoch``) is the mean over the whole global batch,
+all ranks included (``reduce.global_mean``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from macformer_lit.models.classifier import Pooling
 
 from .compat import CheckpointCompatibility
 from .optim import adamw_warmup_linear, check_optim_args
+from .reduce import global_mean
 
 STAGES = ("train", "val", "test")
 
@@ -108,7 +110,8 @@ class LitClassifier(CheckpointCompatibility, L.LightningModule):
         acc(logits, batch["labels"])
         batch_size = batch["labels"].shape[0]
         if stage == "train":
-            self.log("train/loss", loss, on_epoch=True, prog_bar=True, batch_size=batch_size)
+            shown, total = global_mean(self, loss, batch_size)
+            self.log("train/loss", shown, on_epoch=True, prog_bar=True, batch_size=total)
         else:
             mean_loss = self.mean_loss[f"{stage}_loss"]
             mean_loss.update(loss.detach(), weight=batch_size)

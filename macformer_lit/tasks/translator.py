@@ -16,7 +16,8 @@ references:
 BLEU is corpus-level: sacreBLEU's sufficient statistics are summed over batches (and over
 ranks under DDP) before the score is computed, so it equals ``sacrebleu.corpus_bleu`` on
 the same strings. Loss and perplexity are likewise sums over ranks (token-weighted), so
-every validation and test value is exact under DDP; the training loss is rank 0's.
+every validation and test value is exact under DDP; the training loss is the
+token-weighted mean over all ranks' batches (``reduce.global_mean``).
 A table of sample translations goes to W&B.
 
 The DataModule turns ids into text through its ``detokenize(ids) -> str``; without a
@@ -39,6 +40,7 @@ from macformer_lit.models.seq2seq import Seq2SeqTransformer
 
 from .compat import CheckpointCompatibility
 from .optim import adamw_warmup_linear, check_optim_args
+from .reduce import global_mean
 
 STAGES = ("train", "val", "test")
 
@@ -227,7 +229,8 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
         # Token-weighted epoch means, like the perplexity.
         weight = max(int(n_tokens), 1)
         if stage == "train":
-            self.log("train/loss", loss, on_epoch=True, prog_bar=True, batch_size=weight)
+            shown, total = global_mean(self, loss, weight)
+            self.log("train/loss", shown, on_epoch=True, prog_bar=True, batch_size=total)
         else:
             mean_loss = self.mean_loss[f"{stage}_loss"]
             mean_loss.update(loss.detach(), weight=weight)

@@ -91,6 +91,74 @@ class StateDump(L.Callback):
         torch.save(self.steps, out / f"rank{trainer.global_rank}.pt")
 
 
+class LocalLoss(L.Callback):
+    """Each rank's own training loss and example count per step, saved to
+    ``<out>/loss_rank<r>.pt``: what ``train/loss`` must average over ranks."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.steps: list[tuple[int, float, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        n = int(batch["labels"].shape[0])
+        self.steps.append((trainer.global_step - 1, float(outputs["loss"]), n))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.steps, self.out / f"loss_rank{trainer.global_rank}.pt")
+
+
+class AmpProbe(L.Callback):
+    """What mixed precision really did, saved to ``<out>/amp_rank<r>.pt``: per training
+    step, the autocast state seen by the model's forward, the dtypes of ``q`` entering and
+    of the output leaving each ppSBN wrapper (``"sbn"``) and each attention core inside
+    (``"core"``), and the loss scale of the precision plugin's GradScaler (None without
+    one)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.steps: list[dict] = []
+        self._current: dict = {}
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from macformer_lit.attention import attention_cores
+
+        def model_hook(module, args):
+            self._current["autocast"] = (
+                torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"),
+            )
+
+        def hook(kind):
+            def record(module, args, output):
+                # Training forwards only: AttentionTelemetry calls the cores again after
+                # the step, in fp32 under no_grad, to measure their error.
+                if torch.is_grad_enabled():
+                    self._current.setdefault(kind, []).append((args[0].dtype, output.dtype))
+
+            return record
+
+        pl_module.model.register_forward_pre_hook(model_hook)
+        for _, core in attention_cores(pl_module):
+            core.register_forward_hook(hook("core"))
+        for m in pl_module.modules():
+            if isinstance(m, PPSBNAttention):
+                m.register_forward_hook(hook("sbn"))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._current = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._current["scale"] = None if scaler is None else float(scaler.get_scale())
+        self._current["loss"] = float(outputs["loss"])
+        self.steps.append(self._current)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.steps, self.out / f"amp_rank{trainer.global_rank}.pt")
+
+
 class StopAtStep(L.Callback):
     """Stop training once ``global_step`` reaches ``$STOP_AT_STEP`` (if set), like a job
     killed right after its checkpoint at that step boundary."""

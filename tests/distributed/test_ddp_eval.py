@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from ddp_probe import ddp, metric, read_rows, run_cli
 
 LISTOPS = [
@@ -94,11 +95,12 @@ def stage_metrics(run_dir) -> dict[str, str]:
     return {k: v for r in rows for k, v in r.items() if k.startswith("test/") and v}
 
 
-def _fit_on_two_then_test_on_one(tmp, base, data_dir, wandb_mode):
+def _fit_on_two_then_test_on_one(tmp, base, data_dir, wandb_mode, fit_extra=()):
     """Fit (and test the best checkpoint) in 2 processes; test that checkpoint in 1."""
     common = [*base, "--data.data_dir", str(data_dir), "--runs_dir", str(tmp / "runs")]
     proc = run_cli(
-        ["fit", *common, *ddp(2), "--experiment", "ddp", "--wandb_mode", wandb_mode], cwd=tmp
+        ["fit", *common, *ddp(2), *fit_extra, "--experiment", "ddp", "--wandb_mode", wandb_mode],
+        cwd=tmp,
     )
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr, "not a 2-process run"
     fit_dir = tmp / "runs/ddp/version_0"
@@ -114,7 +116,13 @@ def _fit_on_two_then_test_on_one(tmp, base, data_dir, wandb_mode):
 @pytest.fixture(scope="module")
 def listops_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp_listops")
-    return tmp, *_fit_on_two_then_test_on_one(tmp, LISTOPS, tmp / "data", "offline")
+    probe = tmp / "callbacks.yaml"
+    probe.write_text(
+        "trainer:\n  callbacks:\n    - class_path: ddp_probe.LocalLoss\n"
+        f"      init_args:\n        out: {tmp / 'probe'}\n"
+    )
+    extra = ("--config", str(probe))
+    return tmp, *_fit_on_two_then_test_on_one(tmp, LISTOPS, tmp / "data", "offline", extra)
 
 
 def test_ddp_listops_fit_logs_one_wandb_run_and_trains(listops_runs):
@@ -125,6 +133,20 @@ def test_ddp_listops_fit_logs_one_wandb_run_and_trains(listops_runs):
     assert [s for s, _ in metric(rows, "train/loss_step")] == list(range(6))
     assert len(metric(rows, "val/acc")) == 2
     assert (fit_dir / "checkpoints/last.ckpt").is_file()
+
+
+def test_ddp_train_loss_is_the_mean_over_both_ranks(listops_runs):
+    tmp, fit_dir, _ = listops_runs
+    ranks = [torch.load(tmp / f"probe/loss_rank{r}.pt") for r in (0, 1)]
+    logged = dict(metric(read_rows(fit_dir / "metrics.csv"), "train/loss_step"))
+    assert [s for s, _, _ in ranks[0]] == [s for s, _, _ in ranks[1]] == sorted(logged)
+    differ = 0
+    for (step, loss0, n0), (_, loss1, n1) in zip(*ranks):
+        differ += not math.isclose(loss0, loss1, rel_tol=1e-3)
+        expected = (loss0 * n0 + loss1 * n1) / (n0 + n1)
+        assert math.isclose(logged[step], expected, rel_tol=1e-6), (step, logged[step], expected)
+    # The ranks saw different examples, so rank 0's own loss would not pass the check.
+    assert differ >= 3
 
 
 def test_ddp_fit_leaves_a_single_run_folder(listops_runs):
