@@ -5,8 +5,10 @@
   ones, counted from the batch's padding masks.
 - ``train/time_sec``: cumulative training-step time of the run (kept across resumes in
   the checkpoint), the number ``report`` normalises to the softmax run.
-- ``train/peak_gpu_mem_mb``: ``torch.cuda.max_memory_allocated`` since the epoch began
-  (max over ranks) on GPU; ``train/peak_rss_mb``: process peak resident set size on CPU.
+- ``train/peak_gpu_mem_mb``: ``torch.cuda.max_memory_allocated`` since the epoch began,
+  the max over ranks, and ``train/peak_gpu_mem_mb_rank{r}`` for every rank ``r`` (gathered
+  from all ranks; rank 0 logs them). On CPU, ``train/peak_rss_mb`` and
+  ``train/peak_rss_mb_rank{r}``: each process's peak resident set size so far.
 
 A light replacement for ``DeviceStatsMonitor`` (shared/PITFALLS.md).
 """
@@ -81,10 +83,17 @@ class ThroughputMemoryMonitor(L.Callback):
         )
         pl_module.log("train/time_sec", self.total_time, sync_dist=True, reduce_fx="max")
         if pl_module.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
-            pl_module.log("train/peak_gpu_mem_mb", peak, sync_dist=True, reduce_fx="max")
+            key, peak = "train/peak_gpu_mem_mb", torch.cuda.max_memory_allocated(pl_module.device)
+            peak /= 2**20
         else:
-            pl_module.log("train/peak_rss_mb", peak_rss_mb(), sync_dist=True, reduce_fx="max")
+            key, peak = "train/peak_rss_mb", peak_rss_mb()
+        # One all-gather (every rank takes part); the gathered values are the same on all
+        # ranks, so they are logged without a further reduction.
+        local = torch.tensor([peak], dtype=torch.float64, device=pl_module.device)
+        per_rank = trainer.strategy.all_gather(local).reshape(-1).tolist()
+        pl_module.log(key, max(per_rank))
+        for rank, value in enumerate(per_rank):
+            pl_module.log(f"{key}_rank{rank}", value)
 
     def state_dict(self) -> dict:
         return {"total_time": self.total_time}

@@ -149,6 +149,17 @@ def test_ddp_train_loss_is_the_mean_over_both_ranks(listops_runs):
     assert differ >= 3
 
 
+def test_ddp_logs_peak_memory_per_rank_and_their_max(listops_runs):
+    _, fit_dir, _ = listops_runs
+    rows = [r for r in read_rows(fit_dir / "metrics.csv") if r.get("train/peak_rss_mb")]
+    assert rows, "no epoch ended"
+    for row in rows:
+        per_rank = [float(row[f"train/peak_rss_mb_rank{r}"]) for r in (0, 1)]
+        assert all(v > 10 for v in per_rank)  # a Python process with torch: tens of MB at least
+        assert float(row["train/peak_rss_mb"]) == max(per_rank)
+    assert "train/peak_rss_mb_rank2" not in rows[0]
+
+
 def test_ddp_fit_leaves_a_single_run_folder(listops_runs):
     tmp, _, _ = listops_runs
     assert [p.name for p in (tmp / "runs/ddp").iterdir()] == ["version_0"]
