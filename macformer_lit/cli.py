@@ -32,6 +32,7 @@ from lightning.pytorch.cli import (  # noqa: E402
     SaveConfigCallback,
 )
 from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
+from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 from macformer_lit.callbacks import (  # noqa: E402
@@ -54,6 +55,27 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Rank 0's run folder, inherited by the ranks Lightning launches for DDP.
 RUN_DIR_ENV = "MACFORMER_RUN_DIR"
+
+
+class ShareRunDir(L.Callback):
+    """Every rank takes rank 0's run folder once the process group is up.
+
+    Ranks that Lightning launches inherit the folder through ``MACFORMER_RUN_DIR``. Under
+    torchrun or SLURM all ranks start at once and each guesses the next free
+    ``version_<n>`` before any process group exists; only rank 0 creates its folder, and
+    at setup it broadcasts the path, so that what the other ranks write (NaN forensics,
+    sharded checkpoints) and the messages they print name the same folder.
+    """
+
+    def __init__(self, cli: MacformerCLI) -> None:
+        self.cli = cli
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        shared = Path(trainer.strategy.broadcast(str(self.cli.run_dir), src=0))
+        if shared != self.cli.run_dir:
+            self.cli.run_dir = shared
+            # Trainer.default_root_dir has no setter; it reads this attribute.
+            trainer._default_root_dir = str(shared)
 # DataModule attributes linked into the model; a link whose source or target is absent is
 # skipped (Lightning data modules without bos/eos, models without num_classes).
 LINKED = ("vocab_size", "num_classes", "max_len", "pad_id", "bos_id", "eos_id")
@@ -247,6 +269,7 @@ class MacformerCLI(LightningCLI):
             kwargs["logger"] = loggers
         callbacks = trainer_cfg.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        callbacks.insert(0, ShareRunDir(self))
         # First, so that a resumed run's RNG states are back before other callbacks run.
         if not any(isinstance(c, RNGStateCheckpoint) for c in callbacks):
             callbacks.insert(0, RNGStateCheckpoint())
@@ -273,8 +296,10 @@ class MacformerCLI(LightningCLI):
             callbacks.append(LatestCheckpoint(dirpath=str(run_dir / "checkpoints")))
         if wants_ckpt:
             callbacks.append(SaveOnSigterm())
-            if not trainer_cfg.get("plugins"):
-                kwargs["plugins"] = [AtomicCheckpointIO()]
+            plugins = trainer_cfg.get("plugins") or []
+            plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+            if not any(isinstance(p, CheckpointIO) for p in plugins):
+                kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
@@ -60,7 +61,10 @@ class AutoWandbLogger(WandbLogger):
         resolved = resolve_mode(mode)
         if resolved == "offline" and mode == "auto":
             log.info("W&B: no credentials found, logging offline under %s/wandb", save_dir)
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        # Only rank 0 logs (and creates the run folder): under torchrun or SLURM the other
+        # ranks start with their own guess of the folder, which must stay uncreated.
+        if rank_zero_only.rank == 0:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(
             save_dir=save_dir,
             project=project,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.cli import CONFIG_DIR, MacformerCLI, main, resolve_config, resolve_config_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -334,3 +335,18 @@ def test_incompatible_checkpoint_names_the_difference(tmp_path, capsys):
     stderr = capsys.readouterr().err
     assert "this checkpoint does not fit the model of this run" in stderr
     assert "vocab_size: checkpoint has 16, this run 15" in stderr
+
+
+def test_checkpoint_writes_stay_atomic_beside_a_precision_plugin(tmp_path):
+    plugin = tmp_path / "fp16_cpu.yaml"
+    plugin.write_text(
+        "trainer:\n  plugins:\n"
+        "    - class_path: lightning.pytorch.plugins.precision.MixedPrecision\n"
+        "      init_args: {precision: 16-mixed, device: cpu}\n"
+    )
+    cli = MacformerCLI(
+        tiny_listops_args(tmp_path, "--config", str(plugin), "--wandb_mode", "disabled"),
+        run=False,
+    )
+    assert type(cli.trainer.precision_plugin).__name__ == "MixedPrecision"
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)

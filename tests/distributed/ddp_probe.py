@@ -159,6 +159,18 @@ class AmpProbe(L.Callback):
         torch.save(self.steps, self.out / f"amp_rank{trainer.global_rank}.pt")
 
 
+class RootDirProbe(L.Callback):
+    """Each rank's ``trainer.default_root_dir`` at the start of training, written to
+    ``<out>/root_rank<r>.txt``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"root_rank{trainer.global_rank}.txt").write_text(trainer.default_root_dir)
+
+
 class StopAtStep(L.Callback):
     """Stop training once ``global_step`` reaches ``$STOP_AT_STEP`` (if set), like a job
     killed right after its checkpoint at that step boundary."""
