@@ -35,6 +35,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
+from macformer_lit.attention.spec import check_attention_spec  # noqa: E402
 from macformer_lit.callbacks import (  # noqa: E402
     AttentionTelemetry,
     FeatureRedraw,
@@ -76,6 +77,8 @@ class ShareRunDir(L.Callback):
             self.cli.run_dir = shared
             # Trainer.default_root_dir has no setter; it reads this attribute.
             trainer._default_root_dir = str(shared)
+
+
 # DataModule attributes linked into the model; a link whose source or target is absent is
 # skipped (Lightning data modules without bos/eos, models without num_classes).
 LINKED = ("vocab_size", "num_classes", "max_len", "pad_id", "bos_id", "eos_id")
@@ -248,6 +251,31 @@ class MacformerCLI(LightningCLI):
                 self.run_dir = exp_dir / f"version_{next_version(exp_dir)}"
                 os.environ[RUN_DIR_ENV] = str(self.run_dir)
         self.experiment = experiment
+        self._check_attention(cfg)
+
+    def _check_attention(self, cfg) -> None:
+        """Every ``*attention`` spec of the model, checked at parse time (attention/spec.py)."""
+        model = cfg.get("model")
+        init = model.get("init_args") if model is not None and "init_args" in model else None
+        if init is None or "d_model" not in init or "num_heads" not in init:
+            return  # not one of our models: its own constructor checks
+        d_model, num_heads = init.get("d_model"), init.get("num_heads")
+        if not (isinstance(d_model, int) and isinstance(num_heads, int)) or num_heads < 1:
+            return
+        if d_model % num_heads:
+            raise ValueError(
+                f"model.init_args.d_model={d_model} is not divisible by num_heads={num_heads}"
+            )
+        for key in list(vars(init)):
+            if key.endswith("attention"):
+                spec = init.get(key)
+                spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
+                check_attention_spec(
+                    spec,
+                    head_dim=d_model // num_heads,
+                    num_heads=num_heads,
+                    where=f"model.init_args.{key}",
+                )
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         cfg = self._cfg(self.config_init)
@@ -404,5 +432,6 @@ def _our_error(err: BaseException) -> BaseException | None:
         ours = last is not None and Path(last).resolve().is_relative_to(PACKAGE_DIR)
         if ours and isinstance(err, (ValueError, OSError, FloatingPointError)):
             found = err
-        err = err.__cause__ or err.__context__
+        # ``raise ... from None`` replaced its context with a message of its own.
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return found

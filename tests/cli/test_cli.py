@@ -262,6 +262,27 @@ def test_tiny_fit_leaves_wandb_run_csv_and_checkpoints(tmp_path):
             "num_features must be >= 1; got 0",
         ),
         (["--model.init_args.attention", "{name: rmfa, kernel: inv}"], "enable pre_sbn: true"),
+        (
+            ["--config", "attention/rmfa_exp.yaml", "--model.init_args.attention.measure", "x"],
+            "model.init_args.attention: option measure='x' of attention backend 'rmfa' must be "
+            "one of: 'faithful', 'official', 'h01'",
+        ),
+        (
+            ["--config", "attention/rmfa_exp.yaml", "--model.init_args.attention.kernel", "expo"],
+            "model.init_args.attention: unknown kernel 'expo'; valid kernels: exp, inv, log, sqrt",
+        ),
+        (
+            ["--model.init_args.attention", "{name: favor, num_features: many}"],
+            "option num_features='many' of attention backend 'favor' must be int",
+        ),
+        (
+            ["--model.init_args.attention", "{name: rmfa, pre_sbn: true, sbn_stats: col}"],
+            "option sbn_stats='col' of attention backend 'rmfa' must be one of: 'batch', 'row'",
+        ),
+        (
+            ["--model.init_args.num_heads", "3"],
+            "model.init_args.d_model=64 is not divisible by num_heads=3",
+        ),
         (["--data.train_size", "0"], "train_size must be a positive integer; got 0"),
     ],
 )
@@ -272,6 +293,35 @@ def test_bad_values_get_one_clear_message(extra, message, tmp_path, capsys):
     stderr = capsys.readouterr().err
     assert message in stderr
     assert "Traceback" not in stderr and "Union subtypes" not in stderr
+
+
+def test_attention_is_checked_at_parse_time_before_data_or_model(tmp_path, capsys):
+    """A bad decoder cross-attention spec is reported although the data is missing too:
+    the attention check runs before the DataModule (and the model) are built."""
+    with pytest.raises(SystemExit) as err:
+        main(
+            [
+                "fit",
+                "--config",
+                "multi30k.yaml",
+                "--data.data_dir",
+                str(tmp_path / "none"),
+                "--runs_dir",
+                str(tmp_path / "runs"),
+                "--wandb_mode",
+                "disabled",
+                "--model.init_args.cross_attention",
+                "{name: rmfa, denominator: clip}",
+            ]
+        )
+    assert err.value.code == 2
+    stderr = capsys.readouterr().err
+    assert (
+        "macformer_lit: error: model.init_args.cross_attention: option denominator='clip' of "
+        "attention backend 'rmfa' must be one of: 'fallback', 'clamp', 'abs', 'none'" in stderr
+    )
+    assert "missing file" not in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "none").exists()
 
 
 def test_missing_data_names_the_files_without_a_traceback(tmp_path, capsys):
