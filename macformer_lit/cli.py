@@ -369,6 +369,8 @@ class MacformerCLI(LightningCLI):
                 where = lg.run_dir()
                 if lg.mode == "offline" and where:
                     lines.append(f"W&B offline run: {where}  (upload: wandb sync {where})")
+                elif lg.mode == "disabled":
+                    lines.append("W&B: disabled (WANDB_MODE or --wandb_mode)")
                 elif where:
                     lines.append(f"W&B run: {where}")
         ckpt = self.trainer.checkpoint_callback
