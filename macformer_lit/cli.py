@@ -46,6 +46,7 @@ from macformer_lit.callbacks.distributed import RNGStateCheckpoint  # noqa: E402
 from macformer_lit.callbacks.preemption import (  # noqa: E402
     AtomicCheckpointIO,
     LatestCheckpoint,
+    MetricsRowsCheckpoint,
     SaveOnSigterm,
 )
 from macformer_lit.loggers import AutoWandbLogger, Mode, RunCSVLogger  # noqa: E402
@@ -324,6 +325,7 @@ class MacformerCLI(LightningCLI):
             callbacks.append(LatestCheckpoint(dirpath=str(run_dir / "checkpoints")))
         if wants_ckpt:
             callbacks.append(SaveOnSigterm())
+            callbacks.append(MetricsRowsCheckpoint())
             plugins = trainer_cfg.get("plugins") or []
             plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
             if not any(isinstance(p, CheckpointIO) for p in plugins):

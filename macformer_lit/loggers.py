@@ -110,3 +110,43 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+    # ---- kept in step with checkpoints (callbacks.preemption.MetricsRowsCheckpoint) ----
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.log_dir) / "metrics.csv"
+
+    def rows_on_disk(self) -> int:
+        """Write pending rows, then count the data rows of metrics.csv (rank 0 only)."""
+        self.save()
+        if not self.metrics_path.is_file():
+            return 0
+        with open(self.metrics_path, newline="") as f:
+            return max(sum(1 for _ in csv.reader(f)) - 1, 0)
+
+    def drop_rows_after(self, rows: int, step: int) -> int:
+        """Drop the data rows past the first ``rows`` that were logged at ``step`` or later
+        (atomically); return how many were dropped. Rows past ``rows`` with an earlier step
+        stay: a checkpoint saved in ``on_train_batch_end`` precedes its own batch's row."""
+        if not self.metrics_path.is_file():
+            return 0
+        with open(self.metrics_path, newline="") as f:
+            header, *table = list(csv.reader(f))
+        if "step" not in header:
+            return 0
+        col = header.index("step")
+
+        def later(row: list[str]) -> bool:
+            try:
+                return int(float(row[col])) >= step
+            except (ValueError, IndexError):
+                return False
+
+        kept = table[:rows] + [r for r in table[rows:] if not later(r)]
+        dropped = len(table) - len(kept)
+        if dropped:
+            tmp = self.metrics_path.with_name(f".metrics.csv.tmp-{os.getpid()}")
+            with open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows([header, *kept])
+            os.replace(tmp, self.metrics_path)
+        return dropped

@@ -5,7 +5,9 @@ renames it over the target (``os.replace`` is atomic on POSIX), so a kill during
 leaves the previous checkpoint intact. ``SaveOnSigterm`` answers a SIGTERM (what SLURM
 and most clusters send before pre-emption; Lightning turns it into ``SIGTERMException``
 at the next batch boundary) by writing ``last.ckpt`` where ModelCheckpoint keeps it, so
-``--ckpt_path last`` resumes from the step the job was stopped at.
+``--ckpt_path last`` resumes from the step the job was stopped at. ``MetricsRowsCheckpoint``
+keeps ``metrics.csv`` in step with the checkpoints: a run killed some steps after its last
+checkpoint has already written those steps' rows, and the resumed run logs them again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,40 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+
+class MetricsRowsCheckpoint(L.Callback):
+    """Record in each checkpoint how many rows ``metrics.csv`` held when it was saved; on
+    resume, drop the rows logged after it at the checkpoint's global step or later (the
+    resumed run logs those steps again), so the file ends up as that of a run never
+    interrupted. (A validation logged after a checkpoint saved at the end of a training
+    batch, at that same step, counts as after it.)"""
+
+    KEY = "metrics_csv_rows"
+
+    @staticmethod
+    def _csv_loggers(trainer):
+        from macformer_lit.loggers import RunCSVLogger
+
+        return [lg for lg in trainer.loggers if isinstance(lg, RunCSVLogger)]
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        loggers = self._csv_loggers(trainer)
+        if trainer.is_global_zero and loggers:
+            checkpoint[self.KEY] = loggers[0].rows_on_disk()
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        rows = checkpoint.get(self.KEY)
+        if rows is None or not trainer.is_global_zero or trainer.state.fn != "fit":
+            return
+        step = int(checkpoint.get("global_step", 0))
+        for lg in self._csv_loggers(trainer):
+            dropped = lg.drop_rows_after(rows, step)
+            if dropped:
+                rank_zero_info(
+                    f"{lg.metrics_path}: dropped {dropped} row(s) logged after the checkpoint "
+                    f"at step {step}; those steps run again"
+                )
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

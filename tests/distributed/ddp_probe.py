@@ -10,6 +10,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -169,6 +170,17 @@ class RootDirProbe(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"root_rank{trainer.global_rank}.txt").write_text(trainer.default_root_dir)
+
+
+class SlowSteps(L.Callback):
+    """Sleep ``seconds`` after every training batch, so that a kill from outside lands
+    mid-run rather than after a tiny run has already finished."""
+
+    def __init__(self, seconds: float = 0.2) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
 
 
 class StopAtStep(L.Callback):

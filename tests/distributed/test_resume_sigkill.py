@@ -1,0 +1,121 @@
+"""SIGKILL at an arbitrary point, then ``--ckpt_path last``: the run continues from its
+last checkpoint and, in deterministic mode, its metrics.csv ends up identical to that of a
+run never killed: every step once, same losses, learning rates and validation values.
+
+The killed process had already written the rows of the steps between its last checkpoint
+and the kill (the CSV logger flushes at every log call); the resumed run redoes those steps,
+so it must drop those rows first (RunCSVLogger trims metrics.csv to the row count that the
+checkpoint recorded).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from ddp_probe import HERE, read_rows, run_cli
+
+TOTAL = 24
+
+
+def _args(tmp, *extra):
+    slow = tmp / "slow.yaml"
+    slow.write_text("trainer:\n  callbacks:\n    - class_path: ddp_probe.SlowSteps\n")
+    return [
+        "fit",
+        "--config",
+        "lra_listops.yaml",
+        "--config",
+        str(slow),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "1",
+        "--data.data_dir",
+        str(tmp / "data"),
+        "--data.train_size",
+        "20",
+        "--data.val_size",
+        "4",
+        "--data.test_size",
+        "4",
+        "--data.batch_size",
+        "4",
+        "--model.init_args.d_model",
+        "16",
+        "--model.init_args.num_layers",
+        "1",
+        "--model.init_args.lr",
+        "3e-3",
+        "--model.init_args.warmup_steps",
+        "2",
+        "--trainer.max_steps",
+        str(TOTAL),
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.deterministic",
+        "true",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--runs_dir",
+        str(tmp / "runs"),
+        "--wandb_mode",
+        "disabled",
+        "--test_after_fit",
+        "false",
+        *extra,
+    ]
+
+
+def _kill_after_a_checkpoint(tmp, ckpt, min_step):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "WANDB_SILENT": "true",
+        "PYTHONHASHSEED": "0",
+    }
+    args = _args(tmp, "--experiment", "killed")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "macformer_lit", *args],
+        cwd=tmp,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ckpt.is_file() and torch.load(ckpt, weights_only=False)["global_step"] >= min_step:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()
+    time.sleep(0.5)  # two more steps: rows logged after the checkpoint
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
+    run_cli(_args(tmp_path, "--experiment", "full"), cwd=tmp_path)
+    ckpt = tmp_path / "runs/killed/version_0/checkpoints/last.ckpt"
+    _kill_after_a_checkpoint(tmp_path, ckpt, min_step=9)
+    killed_at = torch.load(ckpt, weights_only=False)["global_step"]
+    assert 9 <= killed_at < TOTAL
+    before = read_rows(tmp_path / "runs/killed/version_0/metrics.csv")
+    stale = [r for r in before if r.get("train/loss_step") and int(r["step"]) >= killed_at]
+    assert stale, "no row was logged after the checkpoint: the kill came too early to tell"
+
+    run_cli(_args(tmp_path, "--experiment", "killed", "--ckpt_path", "last"), cwd=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "runs/killed").iterdir()) == ["version_0"]
+    full = read_rows(tmp_path / "runs/full/version_0/metrics.csv")
+    resumed = read_rows(tmp_path / "runs/killed/version_0/metrics.csv")
+    for key in ("train/loss_step", "lr/pg1", "val/loss", "val/acc"):
+        want = [(r["step"], r[key]) for r in full if r.get(key)]
+        got = [(r["step"], r[key]) for r in resumed if r.get(key)]
+        assert got == want, key
