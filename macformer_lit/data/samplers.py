@@ -54,6 +54,13 @@ def eval_sampler(ds: Sized) -> Sampler[int]:
     size, rank = world()
     if size == 1:
         return _Sequential(ds)
+    if 0 < len(ds) < size:
+        # A rank without a batch would skip the metric syncs the others wait in.
+        raise ValueError(
+            f"an evaluation split of {len(ds)} example(s) cannot be shared by {size} processes: "
+            f"each needs at least one; run it on at most {len(ds)} device(s), or use a larger "
+            "split"
+        )
     return UnrepeatedDistributedSampler(ds, num_replicas=size, rank=rank, shuffle=False)
 
 

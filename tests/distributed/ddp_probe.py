@@ -21,7 +21,9 @@ from macformer_lit.attention import PPSBNAttention, random_feature_backends
 HERE = Path(__file__).resolve().parent
 
 
-def run_cli(args: list[str], cwd: Path, *, timeout: int = 240) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], cwd: Path, *, timeout: int = 240, expect_ok: bool = True
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
@@ -37,7 +39,8 @@ def run_cli(args: list[str], cwd: Path, *, timeout: int = 240) -> subprocess.Com
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
@@ -54,6 +57,30 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 def metric(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
     """``(step, value)`` of every row that has ``key``."""
     return [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+
+
+def stage_metrics(run_dir) -> dict[str, str]:
+    """The ``test/*`` values of a run's metrics.csv."""
+    rows = read_rows(run_dir / "metrics.csv")
+    return {k: v for r in rows for k, v in r.items() if k.startswith("test/") and v}
+
+
+def fit_on_two_then_test_on_one(tmp, base, data_dir, wandb_mode, fit_extra=()):
+    """Fit (and test the best checkpoint) in 2 processes; test that checkpoint in 1."""
+    common = [*base, "--data.data_dir", str(data_dir), "--runs_dir", str(tmp / "runs")]
+    proc = run_cli(
+        ["fit", *common, *ddp(2), *fit_extra, "--experiment", "ddp", "--wandb_mode", wandb_mode],
+        cwd=tmp,
+    )
+    assert "MEMBER: 2/2" in proc.stdout + proc.stderr, "not a 2-process run"
+    fit_dir = tmp / "runs/ddp/version_0"
+    best = next((fit_dir / "checkpoints").glob("best-*.ckpt"))
+    run_cli(
+        ["test", *common, *ddp(1), "--experiment", "one", "--wandb_mode", "disabled"]
+        + ["--ckpt_path", str(best)],
+        cwd=tmp,
+    )
+    return fit_dir, tmp / "runs/one/version_0"
 
 
 class StateDump(L.Callback):

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from ddp_probe import ddp, metric, read_rows, run_cli
+from ddp_probe import fit_on_two_then_test_on_one, metric, read_rows, stage_metrics
 
 LISTOPS = [
     "--config",
@@ -89,30 +89,6 @@ TRANSLATION = [
 ]
 
 
-def stage_metrics(run_dir) -> dict[str, str]:
-    """The ``test/*`` values of a run's metrics.csv."""
-    rows = read_rows(run_dir / "metrics.csv")
-    return {k: v for r in rows for k, v in r.items() if k.startswith("test/") and v}
-
-
-def _fit_on_two_then_test_on_one(tmp, base, data_dir, wandb_mode, fit_extra=()):
-    """Fit (and test the best checkpoint) in 2 processes; test that checkpoint in 1."""
-    common = [*base, "--data.data_dir", str(data_dir), "--runs_dir", str(tmp / "runs")]
-    proc = run_cli(
-        ["fit", *common, *ddp(2), *fit_extra, "--experiment", "ddp", "--wandb_mode", wandb_mode],
-        cwd=tmp,
-    )
-    assert "MEMBER: 2/2" in proc.stdout + proc.stderr, "not a 2-process run"
-    fit_dir = tmp / "runs/ddp/version_0"
-    best = next((fit_dir / "checkpoints").glob("best-*.ckpt"))
-    run_cli(
-        ["test", *common, *ddp(1), "--experiment", "one", "--wandb_mode", "disabled"]
-        + ["--ckpt_path", str(best)],
-        cwd=tmp,
-    )
-    return fit_dir, tmp / "runs/one/version_0"
-
-
 @pytest.fixture(scope="module")
 def listops_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp_listops")
@@ -122,7 +98,7 @@ def listops_runs(tmp_path_factory):
         f"      init_args:\n        out: {tmp / 'probe'}\n"
     )
     extra = ("--config", str(probe))
-    return tmp, *_fit_on_two_then_test_on_one(tmp, LISTOPS, tmp / "data", "offline", extra)
+    return tmp, *fit_on_two_then_test_on_one(tmp, LISTOPS, tmp / "data", "offline", extra)
 
 
 def test_ddp_listops_fit_logs_one_wandb_run_and_trains(listops_runs):
@@ -177,7 +153,7 @@ def test_ddp_listops_test_metrics_equal_one_process(listops_runs):
 
 
 def test_ddp_translation_test_metrics_equal_one_process(tmp_path):
-    fit_dir, one_dir = _fit_on_two_then_test_on_one(
+    fit_dir, one_dir = fit_on_two_then_test_on_one(
         tmp_path, TRANSLATION, tmp_path / "data", "disabled"
     )
     two, one = stage_metrics(fit_dir), stage_metrics(one_dir)
