@@ -199,15 +199,17 @@ class RootDirProbe(L.Callback):
         (self.out / f"root_rank{trainer.global_rank}.txt").write_text(trainer.default_root_dir)
 
 
-class SlowSteps(L.Callback):
-    """Sleep ``seconds`` after every training batch, so that a kill from outside lands
-    mid-run rather than after a tiny run has already finished."""
+class HangAtStep(L.Callback):
+    """At the start of the batch that would make global step ``step + 1``, write
+    ``marker`` and wait to be killed: a kill from outside then lands at a known point."""
 
-    def __init__(self, seconds: float = 0.2) -> None:
-        self.seconds = seconds
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, Path(marker)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        time.sleep(self.seconds)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            self.marker.write_text(str(self.step))
+            time.sleep(3600)
 
 
 class StopAtStep(L.Callback):

@@ -56,7 +56,18 @@ def _fixtures(task: str, data: Path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("task", ["text", "retrieval", "image", "pathfinder", "multi30k"])
+# The default run keeps one LRA task on its own data path (CIFAR pickles); all five run
+# with ``pytest -m slow`` (the loaders share make_loader, the suite's time is finite).
+@pytest.mark.parametrize(
+    "task",
+    [
+        pytest.param("text", marks=pytest.mark.slow),
+        pytest.param("retrieval", marks=pytest.mark.slow),
+        "image",
+        pytest.param("pathfinder", marks=pytest.mark.slow),
+        pytest.param("multi30k", marks=pytest.mark.slow),
+    ],
+)
 def test_ddp_task_test_metrics_equal_one_process(task, tmp_path):
     data = tmp_path / "data"
     data.mkdir()

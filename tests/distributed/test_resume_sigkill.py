@@ -19,18 +19,14 @@ import time
 import torch
 from ddp_probe import HERE, read_rows, run_cli
 
-TOTAL = 24
+TOTAL = 12
 
 
 def _args(tmp, *extra):
-    slow = tmp / "slow.yaml"
-    slow.write_text("trainer:\n  callbacks:\n    - class_path: ddp_probe.SlowSteps\n")
     return [
         "fit",
         "--config",
         "lra_listops.yaml",
-        "--config",
-        str(slow),
         "--trainer.accelerator",
         "cpu",
         "--trainer.devices",
@@ -38,7 +34,7 @@ def _args(tmp, *extra):
         "--data.data_dir",
         str(tmp / "data"),
         "--data.train_size",
-        "20",
+        "20",  # 5 batches an epoch: the kill falls inside the second epoch
         "--data.val_size",
         "4",
         "--data.test_size",
@@ -73,14 +69,21 @@ def _args(tmp, *extra):
     ]
 
 
-def _kill_after_a_checkpoint(tmp, ckpt, min_step):
+def _kill_at_step(tmp, step):
+    """Run the fit until it reaches ``step`` (it then waits, see HangAtStep), SIGKILL it."""
+    hang = tmp / "hang.yaml"
+    marker = tmp / "hanging"
+    hang.write_text(
+        "trainer:\n  callbacks:\n    - class_path: ddp_probe.HangAtStep\n"
+        f"      init_args: {{step: {step}, marker: {marker}}}\n"
+    )
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         "WANDB_SILENT": "true",
         "PYTHONHASHSEED": "0",
     }
-    args = _args(tmp, "--experiment", "killed")
+    args = _args(tmp, "--experiment", "killed", "--config", str(hang))
     proc = subprocess.Popen(
         [sys.executable, "-m", "macformer_lit", *args],
         cwd=tmp,
@@ -89,27 +92,30 @@ def _kill_after_a_checkpoint(tmp, ckpt, min_step):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if ckpt.is_file() and torch.load(ckpt, weights_only=False)["global_step"] >= min_step:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()
-    time.sleep(0.5)  # two more steps: rows logged after the checkpoint
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and not marker.is_file():
+            time.sleep(0.05)
+        ended = proc.poll() is not None
+        assert not ended, "the run ended before it could be killed: " + proc.stderr.read()
+        assert marker.is_file(), "the run did not reach the step in time"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
 
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
     run_cli(_args(tmp_path, "--experiment", "full"), cwd=tmp_path)
+    # Validation (and with it last.ckpt) every 3 steps: killed at step 8, the run
+    # restarts from step 6 and has logged steps 6 and 7 twice, unless trimmed.
+    _kill_at_step(tmp_path, 8)
     ckpt = tmp_path / "runs/killed/version_0/checkpoints/last.ckpt"
-    _kill_after_a_checkpoint(tmp_path, ckpt, min_step=9)
     killed_at = torch.load(ckpt, weights_only=False)["global_step"]
-    assert 9 <= killed_at < TOTAL
+    assert killed_at == 6
     before = read_rows(tmp_path / "runs/killed/version_0/metrics.csv")
     stale = [r for r in before if r.get("train/loss_step") and int(r["step"]) >= killed_at]
-    assert stale, "no row was logged after the checkpoint: the kill came too early to tell"
+    assert [int(r["step"]) for r in stale] == [6, 7]
 
     run_cli(_args(tmp_path, "--experiment", "killed", "--ckpt_path", "last"), cwd=tmp_path)
     assert sorted(p.name for p in (tmp_path / "runs/killed").iterdir()) == ["version_0"]
