@@ -161,6 +161,37 @@ class FeatureAttention(AttentionBackend):
             new_state["ref"] = ref
         return out, new_state
 
+    @torch.no_grad()
+    def diagnose(self, q, k, v, *, key_padding_mask=None, causal=False) -> dict[str, float]:
+        """Forensics of one forward on these inputs (NaNGuard calls it after a non-finite
+        loss or gradient): the largest |φ(q)| and |φ(k)| entry (in the rescaled feature
+        space the forward uses), the smallest |denominator| φ(q)ᵀΣφ(k) over all query rows
+        (before the denominator policy), and how many of them are ≤ 0 or non-finite."""
+        ct = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            q, k = q.to(ct), k.to(ct)
+            mask = key_padding_mask
+            keep = None
+            if mask is not None:
+                k = k.masked_fill(~mask[:, None, :, None], 0.0)
+                keep = mask[:, None, None, :]
+            phi_k, ref = self._key_features(k, keep, None)
+            phi_q, _ = self._query_features(q, ref)
+            if keep is not None:  # padded keys reach no denominator (the forward's ones column)
+                phi_k = phi_k * keep
+            if causal and q.shape[2] == k.shape[2]:
+                sums = phi_k.cumsum(-1)  # (B, H, D', N): keys up to each query
+            else:
+                sums = phi_k.sum(-1, keepdim=True)
+            den = (phi_q * sums).sum(-2)  # (B, H, N)
+        return {
+            "max_abs_feature_q": float(phi_q.abs().max()),
+            "max_abs_feature_k": float(phi_k.abs().max()),
+            "min_abs_denominator": float(den.abs().min()),
+            "denominators_nonpositive": int((den <= 0).sum()),
+            "denominators_nonfinite": int((~torch.isfinite(den)).sum()),
+        }
+
     def _normalise(self, out, count, den_scale, visible_sums):
         """num/den under the denominator policy; ``count`` = number of visible real keys,
         ``visible_sums()`` = [Σ v, n] over them (only computed if the fallback is needed)."""

@@ -5,7 +5,11 @@ On the first non-finite training loss or gradient it writes, under
 
 - ``report.json``: the step, which of loss / gradients was non-finite, per-parameter
   gradient norms (non-finite ones named first), and per attention layer the largest
-  |q|, |k|, |v| entry and the q·k/√d range of the last forward pass;
+  |q|, |k|, |v| entry and the q·k/√d range of the last forward pass; for feature-map
+  backends (rmfa, favor, linear) also the largest |feature| of queries and keys and the
+  smallest |denominator| (``FeatureAttention.diagnose`` rerun on that pass's inputs);
+- the same per-layer numbers and the largest gradient norm, logged to every logger under
+  ``nan_forensics/<layer>/<name>`` at that step;
 - ``batch.pt``: the offending batch (tensors, on CPU);
 - ``checkpoint.ckpt``: the model and optimiser state before the bad update.
 
@@ -38,6 +42,7 @@ class NaNGuard(L.Callback):
         self._loss_bad = False
         self._stats: dict[str, dict[str, float]] = {}
         self._handles: list = []
+        self._inputs: dict[str, tuple] = {}
 
     # ---- attention inputs, captured by forward hooks (no model changes) --------------
     def setup(self, trainer, pl_module, stage) -> None:
@@ -53,6 +58,7 @@ class NaNGuard(L.Callback):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._inputs.clear()
 
     def _hook(self, name: str):
         def hook(module, args, kwargs, output):
@@ -70,6 +76,12 @@ class NaNGuard(L.Callback):
                 "qk_max": s.max().item(),
                 "output_finite": bool(torch.isfinite(output).all()),
             }
+            if hasattr(module, "diagnose"):
+                # Kept until the next forward (autograd holds these tensors until backward
+                # anyway); features and denominators are only computed after a failure.
+                mask = kwargs.get("key_padding_mask")
+                causal = bool(kwargs.get("causal", False))
+                self._inputs[name] = (module, q, k, v, mask, causal)
 
         return hook
 
@@ -103,6 +115,14 @@ class NaNGuard(L.Callback):
         pl_module.log("train/skipped_steps", float(self.skipped), on_step=True)
 
     def _write(self, trainer, pl_module, grads, bad_grads) -> Path:
+        for name, (module, q, k, v, mask, causal) in self._inputs.items():
+            try:
+                self._stats[name].update(
+                    module.diagnose(q, k, v, key_padding_mask=mask, causal=causal)
+                )
+            except Exception as err:  # forensics must not hide the original failure
+                self._stats[name]["diagnose_error"] = repr(err)
+        self._log_stats(trainer, grads)
         root = Path(trainer.default_root_dir or ".")
         folder = root / "nan_forensics" / f"step{trainer.global_step}"
         if trainer.is_global_zero:
@@ -125,6 +145,19 @@ class NaNGuard(L.Callback):
             torch.save(batch, folder / "batch.pt")
         trainer.save_checkpoint(folder / "checkpoint.ckpt")
         return folder
+
+    def _log_stats(self, trainer, grads) -> None:
+        metrics = {
+            f"nan_forensics/{layer}/{key}": float(value)
+            for layer, stats in self._stats.items()
+            for key, value in stats.items()
+            if isinstance(value, (int, float))
+        }
+        norms = [float(g.float().norm()) for g in grads.values()]
+        if norms:
+            metrics["nan_forensics/max_grad_norm"] = max(norms)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def state_dict(self) -> dict:
         return {"skipped": self.skipped}
