@@ -34,6 +34,7 @@ from lightning.pytorch.cli import (  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from macformer_lit.attention.spec import check_attention_spec  # noqa: E402
 from macformer_lit.callbacks import (  # noqa: E402
@@ -331,7 +332,19 @@ class MacformerCLI(LightningCLI):
             if not any(isinstance(p, CheckpointIO) for p in plugins):
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         kwargs["callbacks"] = callbacks
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as err:
+            # Lightning's own checks of accelerator / strategy / devices / precision: a
+            # settings problem, worth one line rather than a traceback from its internals.
+            if not _raised_under(err, LIGHTNING_CONNECTORS):
+                raise
+            if run_dir.is_dir() and not self.resuming and not any(run_dir.iterdir()):
+                run_dir.rmdir()  # made for this run's logs a moment ago; nothing in it
+            hint = ""
+            if "gpu" in str(err).lower() or "cuda" in str(err).lower():
+                hint = " (on a machine without a GPU use --trainer.accelerator cpu or auto)"
+            raise ValueError(f"invalid trainer settings: {err}{hint}") from None
 
     # ---- after the run ----------------------------------------------------------------
     def after_fit(self) -> None:
@@ -414,6 +427,15 @@ def main(args: list[str] | None = None) -> None:
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+LIGHTNING_CONNECTORS = Path(L.__file__).resolve().parent / "pytorch" / "trainer" / "connectors"
+
+
+def _raised_under(err: BaseException, folder: Path) -> bool:
+    """Whether ``err`` was raised by code in ``folder`` (its traceback's last frame)."""
+    tb, last = err.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return last is not None and Path(last).resolve().is_relative_to(folder)
 
 
 def _our_error(err: BaseException) -> BaseException | None:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.cli import CONFIG_DIR, MacformerCLI, main, resolve_config, resolve_config_args
@@ -293,6 +294,26 @@ def test_bad_values_get_one_clear_message(extra, message, tmp_path, capsys):
     stderr = capsys.readouterr().err
     assert message in stderr
     assert "Traceback" not in stderr and "Union subtypes" not in stderr
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--trainer.strategy", "ddpp"], "invalid strategy name: `strategy='ddpp'`"),
+        (["--trainer.accelerator", "gpu"], "use --trainer.accelerator cpu or auto"),
+        (["--trainer.devices", "0"], "`Trainer(devices='0')` value is not a valid input"),
+    ],
+)
+def test_bad_trainer_settings_get_one_line_and_leave_no_folder(extra, message, tmp_path, capsys):
+    if "gpu" in extra and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as err:
+        main(["fit", *tiny_listops_args(tmp_path, "--wandb_mode", "offline", *extra)])
+    assert err.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "macformer_lit: error: invalid trainer settings: " in stderr and message in stderr
+    assert "Traceback" not in stderr
+    assert not list((tmp_path / "runs").glob("*/version_*"))
 
 
 def test_attention_is_checked_at_parse_time_before_data_or_model(tmp_path, capsys):
