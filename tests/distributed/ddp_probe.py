@@ -21,20 +21,27 @@ from macformer_lit.attention import PPSBNAttention, random_feature_backends
 HERE = Path(__file__).resolve().parent
 
 
-def run_cli(
-    args: list[str], cwd: Path, *, timeout: int = 240, expect_ok: bool = True
-) -> subprocess.CompletedProcess:
+def probe_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI subprocess: this folder importable (probe callbacks), W&B
+    quiet and left to ``--wandb_mode``, hashing fixed; ``extra`` on top."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         "WANDB_SILENT": "true",
         "PYTHONHASHSEED": "0",
+        **extra,
     }
     env.pop("WANDB_MODE", None)
+    return env
+
+
+def run_cli(
+    args: list[str], cwd: Path, *, timeout: int = 240, expect_ok: bool = True
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "macformer_lit", *args],
         cwd=cwd,
-        env=env,
+        env=probe_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

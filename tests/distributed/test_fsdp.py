@@ -13,15 +13,12 @@ translations do not depend on which sentences share a batch (1 process vs 2).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from ddp_probe import HERE, metric, read_rows, run_cli
+from ddp_probe import metric, read_rows, run_cli
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 CLIP = 0.05  # below the gradient norm of these runs, so that clipping acts (asserted)
@@ -313,18 +310,12 @@ def test_fsdp_rmfa_ppsbn_features_and_statistics_identical_on_both_ranks(runs, m
 def test_fsdp_uneven_evaluation_batches_stop_with_a_message(runs):
     tmp, common = runs
     # 9 validation examples: shares of 5 and 4 make 2 and 1 batches of 4.
-    proc = subprocess.run(
-        [sys.executable, "-m", "macformer_lit", "fit", *common, *fsdp(2)]
+    proc = run_cli(
+        ["fit", *common, *fsdp(2)]
         + ["--data.val_size", "9", "--experiment", "uneven", "--trainer.max_steps", "1"],
         cwd=tmp,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-            "WANDB_SILENT": "true",
-        },
-        capture_output=True,
-        text=True,
         timeout=120,
+        expect_ok=False,
     )
     assert proc.returncode == 2
     assert (

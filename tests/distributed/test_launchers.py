@@ -15,13 +15,12 @@ and its W&B logger created that folder.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from ddp_probe import HERE
+from ddp_probe import probe_env
 
 ARGS = [
     "fit",
@@ -60,13 +59,7 @@ def _setup(tmp: Path) -> tuple[list[str], dict[str, str]]:
         "trainer:\n  callbacks:\n    - class_path: ddp_probe.RootDirProbe\n"
         f"      init_args: {{out: {tmp / 'probe'}}}\n"
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "WANDB_SILENT": "true",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("WANDB_MODE", None)
+    env = probe_env(OMP_NUM_THREADS="1")
     (tmp / "runs/tr/version_0").mkdir(parents=True)  # an earlier run
     return [*ARGS, "--config", str(probe), "--data.data_dir", str(tmp / "data")], env
 

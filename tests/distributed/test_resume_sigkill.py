@@ -10,14 +10,13 @@ checkpoint recorded).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import torch
-from ddp_probe import HERE, read_rows, run_cli
+from ddp_probe import probe_env, read_rows, run_cli
 
 TOTAL = 12
 
@@ -77,12 +76,7 @@ def _kill_at_step(tmp, step):
         "trainer:\n  callbacks:\n    - class_path: ddp_probe.HangAtStep\n"
         f"      init_args: {{step: {step}, marker: {marker}}}\n"
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "WANDB_SILENT": "true",
-        "PYTHONHASHSEED": "0",
-    }
+    env = probe_env()
     args = _args(tmp, "--experiment", "killed", "--config", str(hang))
     proc = subprocess.Popen(
         [sys.executable, "-m", "macformer_lit", *args],
