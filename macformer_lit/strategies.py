@@ -32,8 +32,10 @@ override works around (Lightning 2.6.6, torch 2.13):
    We reuse the wrapper built for that same module.
 5. *Any device.* Every FSDP forward all-gathers, so ranks must run the same number of
    evaluation batches. Our evaluation loaders give each rank its own share of a split,
-   never repeating an example (exact metrics), and shares differ by one example: in rare
-   sizes a rank gets one batch more and would wait forever. We raise instead.
+   never repeating an example (exact metrics), in as many batches on every rank
+   (``data.common.EvenEvalBatchSampler``), which works for any batch size from 2. With
+   batches of one, or a DataModule of one's own, a rank could get a batch more and the
+   others would wait forever: we check and raise instead.
 6. *Any device.* Lightning reads a full checkpoint with its own unpickler and ignores
    ``weights_only`` (``FSDPStrategy.load_checkpoint``); we check the file with
    ``torch.load(weights_only=True)`` first, as the CLI asks by default.
@@ -196,7 +198,7 @@ class FSDP(FSDPStrategy):
             raise ValueError(
                 f"FSDP runs every {stage} batch on all ranks together, but the ranks have "
                 f"{per_rank} batches (each rank scores its own share of the split, and the "
-                "shares differ by one example). Change the evaluation batch size "
-                "(--data.eval_batch_size) or the split size so that every share makes as "
-                "many batches."
+                "shares differ by one example). Use an evaluation batch size of 2 or more "
+                "(--data.eval_batch_size), which our DataModules cut into as many batches "
+                "on every rank, or make the DataModule's shares give as many batches."
             )

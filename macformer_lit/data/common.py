@@ -19,7 +19,13 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from .samplers import EpochRandomSampler, ResumableDataLoader, eval_sampler, unrepeated
+from .samplers import (
+    EpochRandomSampler,
+    ResumableDataLoader,
+    eval_sampler,
+    unrepeated,
+    world,
+)
 
 
 class MissingDataError(FileNotFoundError):
@@ -168,6 +174,47 @@ class BucketBatchSampler(BatchSampler):
         return full * per_pool + math.ceil(rest / self.batch_size)
 
 
+class EvenEvalBatchSampler(BatchSampler):
+    """Evaluation batches of one rank's share, as many on every rank.
+
+    Under DDP each rank scores its own share of a split, never repeating an example; the
+    shares differ by at most one example, so with ``ceil(share / batch_size)`` batches a
+    rank can run one batch more than the others. FSDP cannot allow that (every forward
+    all-gathers across ranks): this sampler cuts every share into ``ceil(largest share /
+    batch_size)`` batches of near-equal size (no batch above ``batch_size``), which the
+    smaller shares can always fill when ``batch_size >= 2``. With ``lengths`` the share is
+    sorted by length first (less padding). Like ``BucketBatchSampler``, it turns the
+    padding ``DistributedSampler`` Lightning may put in its place into the unrepeated one.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler[int],
+        batch_size: int,
+        drop_last: bool = False,
+        *,
+        lengths: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(unrepeated(sampler), batch_size, drop_last=False)
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        share = len(self.sampler)
+        world = getattr(self.sampler, "num_replicas", 1)
+        dataset = getattr(self.sampler, "dataset", None)
+        total = len(dataset) if dataset is not None else share * world
+        largest = math.ceil(total / world)
+        # Fewer only if this share cannot fill them (batch_size 1): FSDP then says so.
+        self.num_batches = min(math.ceil(largest / batch_size), share)
+
+    def __iter__(self):
+        order = np.fromiter(iter(self.sampler), dtype=np.int64)
+        if self.lengths is not None:
+            order = order[np.argsort(self.lengths[order], kind="stable")]
+        return iter(b.tolist() for b in np.array_split(order, self.num_batches) if len(b))
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+
 def make_loader(
     ds: Dataset,
     *,
@@ -185,9 +232,9 @@ def make_loader(
     Exact under DDP and on resume: the training order is a function of ``(seed, epoch)``
     (Lightning swaps in its ``DistributedSampler`` under DDP, also epoch-seeded); an
     evaluation loader built under DDP gives each rank a disjoint shard with no repeated
-    examples; the loader's position within an epoch is saved in checkpoints, and no
-    loader draws from the global RNG (its own generator seeds the workers), so resuming
-    does not shift dropout.
+    examples, in as many batches on every rank (``EvenEvalBatchSampler``); the loader's
+    position within an epoch is saved in checkpoints, and no loader draws from the global
+    RNG (its own generator seeds the workers), so resuming does not shift dropout.
     """
     common = dict(
         collate_fn=collate_fn,
@@ -196,6 +243,10 @@ def make_loader(
         generator=torch.Generator().manual_seed(seed),
     )
     order = EpochRandomSampler(ds, seed=seed) if train else eval_sampler(ds)
+    if not train and world()[0] > 1:
+        lengths = ds.lengths() if bucket_by_length else None
+        batches = EvenEvalBatchSampler(order, batch_size, lengths=lengths)
+        return ResumableDataLoader(ds, batch_sampler=batches, **common)
     if bucket_by_length:
         batches = BucketBatchSampler(
             order, batch_size, lengths=ds.lengths(), shuffle=train, seed=seed

@@ -73,3 +73,40 @@ def test_pad_collate_pads_to_longest_in_batch():
 def test_check_positive_rejects(value):
     with pytest.raises(ValueError, match="train_size must be a positive integer"):
         check_positive("train_size", value)
+
+
+@pytest.mark.parametrize("n", [9, 13, 25, 101, 200])
+@pytest.mark.parametrize("batch_size", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", [2, 3])
+def test_even_eval_batches_equal_counts_and_every_example_once(n, batch_size, world):
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+    from macformer_lit.data.common import EvenEvalBatchSampler
+
+    ds = dataset(n=n)
+    counts, seen = [], []
+    for rank in range(world):
+        # What Lightning injects into an evaluation batch sampler under DDP: padding.
+        padding = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False)
+        bs = EvenEvalBatchSampler(padding, batch_size, lengths=ds.lengths())
+        assert isinstance(bs.sampler, UnrepeatedDistributedSampler)
+        batches = list(bs)
+        assert len(batches) == len(bs) and all(0 < len(b) <= batch_size for b in batches)
+        lengths = [ds.lengths()[i] for b in batches for i in b]
+        assert lengths == sorted(lengths)  # sorted by length: least padding
+        counts.append(len(batches))
+        seen += [i for b in batches for i in b]
+    assert len(set(counts)) == 1
+    assert sorted(seen) == list(range(n))
+
+
+def test_even_eval_batches_cannot_even_out_batches_of_one():
+    from macformer_lit.data.common import EvenEvalBatchSampler
+
+    ds = dataset(n=9)
+    counts = [
+        len(EvenEvalBatchSampler(DistributedSampler(ds, 2, rank, shuffle=False), 1))
+        for rank in (0, 1)
+    ]
+    # Shares of 5 and 4 examples: as many batches of one as examples (FSDP refuses this).
+    assert counts == [5, 4]

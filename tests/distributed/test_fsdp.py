@@ -6,7 +6,9 @@ features and pre-SBN statistics identical on both ranks, and a clear error inste
 hang when the ranks would run different numbers of evaluation batches.
 
 The test sets hold 13 examples with batches of 4: the ranks score 7 and 6 examples in two
-batches each. ``max_len_a 0`` gives every sentence the same decoding budget, so that the
+batches each. The validation sets hold 9: shares of 5 and 4, which batches of 4 would cut
+into 2 and 1 (a hang under FSDP); the loaders make them 2 and 2. ``max_len_a 0`` gives
+every sentence the same decoding budget, so that the
 translations do not depend on which sentences share a batch (1 process vs 2).
 """
 
@@ -29,7 +31,7 @@ TRANSLATION = [
     "--data.train_size",
     "32",
     "--data.val_size",
-    "13",
+    "9",  # shares of 5 and 4: 2 + 2 batches of at most 4 (even counts, as FSDP needs)
     "--data.test_size",
     "13",
     "--data.batch_size",
@@ -309,17 +311,16 @@ def test_fsdp_rmfa_ppsbn_features_and_statistics_identical_on_both_ranks(runs, m
 
 def test_fsdp_uneven_evaluation_batches_stop_with_a_message(runs):
     tmp, common = runs
-    # 9 validation examples: shares of 5 and 4 make 2 and 1 batches of 4.
+    # Batches of one (the loaders can only even out batches from 2 on): one step, no
+    # validation (the sanity check runs 2 batches on each rank), then the test after fit
+    # with shares of 7 and 6 examples, 7 and 6 batches.
     proc = run_cli(
-        ["fit", *common, *fsdp(2)]
-        + ["--data.val_size", "9", "--experiment", "uneven", "--trainer.max_steps", "1"],
+        ["fit", *common, *fsdp(2), "--data.eval_batch_size", "1"]
+        + ["--experiment", "uneven", "--trainer.max_steps", "1"],
         cwd=tmp,
         timeout=120,
         expect_ok=False,
     )
     assert proc.returncode == 2
-    assert (
-        "macformer_lit: error: FSDP runs every validation batch on all ranks together"
-        in proc.stderr
-    )
-    assert "[[2], [1]] batches" in proc.stderr
+    assert "macformer_lit: error: FSDP runs every test batch on all ranks together" in proc.stderr
+    assert "[[7], [6]] batches" in proc.stderr
