@@ -450,12 +450,7 @@ def _our_error(err: BaseException) -> BaseException | None:
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        tb = err.__traceback__
-        last = None
-        while tb is not None:
-            last = tb.tb_frame.f_code.co_filename
-            tb = tb.tb_next
-        ours = last is not None and Path(last).resolve().is_relative_to(PACKAGE_DIR)
+        ours = _raised_under(err, PACKAGE_DIR)
         if ours and isinstance(err, (ValueError, OSError, FloatingPointError)):
             found = err
         # ``raise ... from None`` replaced its context with a message of its own.
