@@ -26,7 +26,7 @@ from macformer_lit.models.classifier import Pooling
 
 from .compat import CheckpointCompatibility
 from .optim import adamw_warmup_linear, check_optim_args
-from .reduce import global_mean
+from .reduce import log_stage_loss
 
 STAGES = ("train", "val", "test")
 
@@ -109,15 +109,7 @@ class LitClassifier(CheckpointCompatibility, L.LightningModule):
         acc = self.acc[f"{stage}_acc"]
         acc(logits, batch["labels"])
         batch_size = batch["labels"].shape[0]
-        if stage == "train":
-            shown, total = global_mean(self, loss, batch_size)
-            self.log("train/loss", shown, on_epoch=True, prog_bar=True, batch_size=total)
-        else:
-            mean_loss = self.mean_loss[f"{stage}_loss"]
-            mean_loss.update(loss.detach(), weight=batch_size)
-            self.log(
-                f"{stage}/loss", mean_loss, on_epoch=True, prog_bar=True, batch_size=batch_size
-            )
+        log_stage_loss(self, stage, loss, batch_size)
         self.log(
             f"{stage}/acc",
             acc,

@@ -1,4 +1,5 @@
-"""The training loss as one number for the whole global batch, not rank 0's share.
+"""Stage losses logged as exact means: the training loss over the whole global batch (not
+rank 0's share), evaluation losses as weighted torchmetrics means summed over ranks.
 
 Under DDP each rank's loss is the mean over its own slice of the batch. ``global_mean``
 sums ``loss x weight`` and ``weight`` over ranks (one 2-element all-reduce a step, beside
@@ -25,3 +26,18 @@ def global_mean(
     stats = trainer.strategy.reduce(stats, reduce_op="sum")
     total = float(stats[1])
     return stats[0] / max(total, 1.0), max(int(round(total)), 1)
+
+
+def log_stage_loss(module: L.LightningModule, stage: str, loss: torch.Tensor, weight: int) -> None:
+    """Log ``stage/loss``, weighted by ``weight`` (examples or tokens): in training the
+    global-batch mean of this step (``global_mean``); in evaluation through the module's
+    ``mean_loss[f"{stage}_loss"]`` MeanMetric, whose sums cover every rank exactly once
+    (Lightning's own ``sync_dist`` mean divides an all-reduced integer weight by the world
+    size, which truncates when ranks saw different numbers of examples)."""
+    if stage == "train":
+        shown, total = global_mean(module, loss, weight)
+        module.log("train/loss", shown, on_epoch=True, prog_bar=True, batch_size=total)
+        return
+    mean_loss = module.mean_loss[f"{stage}_loss"]
+    mean_loss.update(loss.detach(), weight=weight)
+    module.log(f"{stage}/loss", mean_loss, on_epoch=True, prog_bar=True, batch_size=weight)

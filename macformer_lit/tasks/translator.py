@@ -40,7 +40,7 @@ from macformer_lit.models.seq2seq import Seq2SeqTransformer
 
 from .compat import CheckpointCompatibility
 from .optim import adamw_warmup_linear, check_optim_args
-from .reduce import global_mean
+from .reduce import log_stage_loss
 
 STAGES = ("train", "val", "test")
 
@@ -228,13 +228,7 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
         ppl.update(nll_sum, n_tokens)
         # Token-weighted epoch means, like the perplexity.
         weight = max(int(n_tokens), 1)
-        if stage == "train":
-            shown, total = global_mean(self, loss, weight)
-            self.log("train/loss", shown, on_epoch=True, prog_bar=True, batch_size=total)
-        else:
-            mean_loss = self.mean_loss[f"{stage}_loss"]
-            mean_loss.update(loss.detach(), weight=weight)
-            self.log(f"{stage}/loss", mean_loss, on_epoch=True, prog_bar=True, batch_size=weight)
+        log_stage_loss(self, stage, loss, weight)
         self.log(
             f"{stage}/ppl",
             ppl,
