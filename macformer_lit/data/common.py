@@ -198,15 +198,17 @@ class EvenEvalBatchSampler(BatchSampler):
         super().__init__(unrepeated(sampler), batch_size, drop_last=False)
         self.lengths = None if lengths is None else np.asarray(lengths)
         share = len(self.sampler)
-        world = getattr(self.sampler, "num_replicas", 1)
+        ranks = getattr(self.sampler, "num_replicas", 1)
         dataset = getattr(self.sampler, "dataset", None)
-        total = len(dataset) if dataset is not None else share * world
-        largest = math.ceil(total / world)
+        total = len(dataset) if dataset is not None else share * ranks
+        largest = math.ceil(total / ranks)
         # Fewer only if this share cannot fill them (batch_size 1): FSDP then says so.
         self.num_batches = min(math.ceil(largest / batch_size), share)
 
     def __iter__(self):
         order = np.fromiter(iter(self.sampler), dtype=np.int64)
+        if self.num_batches == 0:  # an empty split
+            return iter([])
         if self.lengths is not None:
             order = order[np.argsort(self.lengths[order], kind="stable")]
         return iter(b.tolist() for b in np.array_split(order, self.num_batches) if len(b))

@@ -110,3 +110,6 @@ def test_even_eval_batches_cannot_even_out_batches_of_one():
     ]
     # Shares of 5 and 4 examples: as many batches of one as examples (FSDP refuses this).
     assert counts == [5, 4]
+    # An empty split: no batch, no error.
+    empty = dataset(n=0)
+    assert list(EvenEvalBatchSampler(DistributedSampler(empty, 2, 0, shuffle=False), 4)) == []
