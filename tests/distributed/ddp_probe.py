@@ -7,6 +7,7 @@ DDP must run in a subprocess: in-process ``ddp`` re-launches pytest's own comman
 from __future__ import annotations
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -64,6 +65,33 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 def metric(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
     """``(step, value)`` of every row that has ``key``."""
     return [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+
+
+def rmfa_precision_run(tmp: Path, experiment: str, steps: int, *extra: str):
+    """Fit ListOps with RMFA (exp kernel) + ppSBN for ``steps`` steps, tiny sizes, under the
+    mixed-precision settings in ``extra``; returns the subprocess and the run's metrics rows."""
+    proc = run_cli(
+        ["fit", "--config", "lra_listops.yaml", "--config", "attention/rmfa_exp.yaml", *extra]
+        + ["--data.data_dir", str(tmp / "data"), "--data.train_size", "32"]
+        + ["--data.val_size", "8", "--data.test_size", "8", "--data.batch_size", "4"]
+        + ["--model.init_args.d_model", "32", "--model.init_args.lr", "3e-3"]
+        + ["--model.init_args.warmup_steps", "1", "--trainer.max_steps", str(steps)]
+        + ["--trainer.val_check_interval", str(steps), "--trainer.log_every_n_steps", "1"]
+        + ["--trainer.enable_progress_bar", "false", "--runs_dir", str(tmp / "runs")]
+        + ["--experiment", experiment, "--wandb_mode", "disabled"],
+        cwd=tmp,
+    )
+    return proc, read_rows(tmp / f"runs/{experiment}/version_0/metrics.csv")
+
+
+def assert_trains_finite(rows: list[dict[str, str]], steps: int) -> None:
+    """Every training loss finite and not constant; validation and test values finite."""
+    losses = [v for _, v in metric(rows, "train/loss_step")]
+    assert len(losses) == steps and all(math.isfinite(v) for v in losses)
+    assert len(set(losses)) > 1  # the optimizer stepped: it trains, not a constant
+    for key in ("val/loss", "test/loss", "test/acc"):
+        values = [v for _, v in metric(rows, key)]
+        assert values and all(math.isfinite(v) for v in values), key
 
 
 def stage_metrics(run_dir) -> dict[str, str]:
