@@ -41,6 +41,7 @@ from macformer_lit.callbacks import (  # noqa: E402
     AttentionTelemetry,
     FeatureRedraw,
     NaNGuard,
+    ReleaseHostMemory,
     ThroughputMemoryMonitor,
 )
 from macformer_lit.callbacks.distributed import RNGStateCheckpoint  # noqa: E402
@@ -197,8 +198,10 @@ class MacformerCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Always-on callbacks with their own config groups (``--nan_guard.action skip``,
-        # ``--redraw.policy steps``, ``--telemetry.every_n_steps 50``).
+        # ``--redraw.policy steps``, ``--telemetry.every_n_steps 50``,
+        # ``--memory.every_n_steps 0``).
         parser.add_lightning_class_args(NaNGuard, "nan_guard")
+        parser.add_lightning_class_args(ReleaseHostMemory, "memory")
         parser.add_lightning_class_args(FeatureRedraw, "redraw")
         parser.add_lightning_class_args(AttentionTelemetry, "telemetry")
         for name in LINKED:

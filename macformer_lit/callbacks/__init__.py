@@ -1,9 +1,10 @@
-"""Lightning callbacks: throughput/memory, NaN forensics, pre-emption, feature redraw,
-attention telemetry."""
+"""Lightning callbacks: throughput/memory, host-memory release, NaN forensics, pre-emption,
+feature redraw, attention telemetry."""
 
+from .memory import ReleaseHostMemory
 from .monitor import ThroughputMemoryMonitor
 from .nan_guard import NaNGuard
 from .redraw import FeatureRedraw
 from .telemetry import AttentionTelemetry
 
-__all__ = ["AttentionTelemetry", "FeatureRedraw", "NaNGuard", "ThroughputMemoryMonitor"]
+__all__ = ["AttentionTelemetry", "FeatureRedraw", "NaNGuard", "ReleaseHostMemory", "ThroughputMemoryMonitor"]

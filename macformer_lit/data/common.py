@@ -4,8 +4,13 @@ Batch format for single-sequence tasks (ListOps, Text, Image, Pathfinder):
 
     {"input_ids": (B, L) long, "padding_mask": (B, L) bool, True = real, "labels": (B,) long}
 
-Batches are padded to their own longest sequence (never to ``max_len``), optionally with
-length-bucketed sampling so that sequences of similar length share a batch.
+Batches are padded to their own longest sequence rounded up to a multiple of
+``pad_to_multiple_of`` tokens (64 by default, never beyond ``max_len``), optionally with
+length-bucketed sampling so that sequences of similar length share a batch. The rounding
+bounds the number of batch shapes a long run meets (about ``max_len / 64``): with a new
+shape at nearly every step the C heap fragments and the process grows until it is killed
+(``callbacks/memory.py`` has the measurements). Padding never changes a prediction: every
+model masks it.
 """
 
 from __future__ import annotations
@@ -86,11 +91,23 @@ class SequenceDataset(Dataset):
         return [len(s) for s in self.sequences]
 
 
+def padded_length(longest: int, multiple: int = 1, cap: int | None = None) -> int:
+    """``longest`` rounded up to a multiple of ``multiple``, but never above ``cap`` (the
+    model's ``max_len``) unless ``longest`` itself is."""
+    rounded = -(-max(1, longest) // multiple) * multiple
+    return max(longest, min(rounded, cap)) if cap is not None else rounded
+
+
 def pad_sequences(
-    seqs: Sequence[np.ndarray | Sequence[int]], pad_id: int
+    seqs: Sequence[np.ndarray | Sequence[int]],
+    pad_id: int,
+    *,
+    multiple: int = 1,
+    cap: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest sequence: ``(ids (B, L) long, mask (B, L) bool True = real)``."""
-    longest = max(1, max(len(s) for s in seqs))
+    """Right-pad to the longest sequence, rounded up by ``padded_length``:
+    ``(ids (B, L) long, mask (B, L) bool True = real)``."""
+    longest = padded_length(max(len(s) for s in seqs), multiple, cap)
     ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), longest), dtype=torch.bool)
     for i, s in enumerate(seqs):
@@ -101,13 +118,16 @@ def pad_sequences(
 
 
 class PadCollate:
-    """Collate ``(sequence, label)`` pairs into the single-sequence batch format."""
+    """Collate ``(sequence, label)`` pairs into the single-sequence batch format, padded to
+    a multiple of ``multiple`` tokens (at most ``cap``)."""
 
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, multiple: int = 1, cap: int | None = None) -> None:
+        self.pad_id, self.multiple, self.cap = pad_id, multiple, cap
 
     def __call__(self, items: Sequence[tuple[np.ndarray, int]]) -> dict[str, torch.Tensor]:
-        ids, mask = pad_sequences([s for s, _ in items], self.pad_id)
+        ids, mask = pad_sequences(
+            [s for s, _ in items], self.pad_id, multiple=self.multiple, cap=self.cap
+        )
         labels = torch.tensor([int(y) for _, y in items], dtype=torch.long)
         return {"input_ids": ids, "padding_mask": mask, "labels": labels}
 
@@ -281,6 +301,7 @@ class SequenceDataModule(L.LightningDataModule):
         val_size: int | None = None,
         test_size: int | None = None,
         bucket_by_length: bool = False,
+        pad_to_multiple_of: int = 64,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -290,6 +311,8 @@ class SequenceDataModule(L.LightningDataModule):
             num_workers=num_workers,
             sizes=(train_size, val_size, test_size),
         )
+        check_positive("pad_to_multiple_of", pad_to_multiple_of, allow_none=False)
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.data_dir = Path(data_dir).expanduser()
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -320,7 +343,7 @@ class SequenceDataModule(L.LightningDataModule):
                 self.datasets[split] = self._subset(self.load_split(split), split)
 
     def collate(self):
-        return PadCollate(self.pad_id)
+        return PadCollate(self.pad_id, self.pad_to_multiple_of, self.max_len)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         return make_loader(

@@ -105,6 +105,8 @@ class ImageDataModule(LRADataModule):
         val_size: use only the first N validation examples.
         test_size: use only the first N test examples.
         bucket_by_length: batch sequences of similar length together.
+        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
+            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
         seed: seed of the length-bucketing sampler.
         source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
             (raw if present, else Skyformer).
@@ -122,6 +124,7 @@ class ImageDataModule(LRADataModule):
         val_size: int | None = None,
         test_size: int | None = None,
         bucket_by_length: bool = False,
+        pad_to_multiple_of: int = 64,
         seed: int = 0,
         source: Literal["auto", "raw", "skyformer"] = "auto",
         val_holdout: int = 5000,
@@ -135,6 +138,7 @@ class ImageDataModule(LRADataModule):
             val_size=val_size,
             test_size=test_size,
             bucket_by_length=bucket_by_length,
+            pad_to_multiple_of=pad_to_multiple_of,
             seed=seed,
         )
         if source not in ("auto", "raw", "skyformer"):

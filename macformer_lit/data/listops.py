@@ -225,6 +225,7 @@ class ListOpsDataModule(SequenceDataModule):
         val_size: int | None = None,
         test_size: int | None = None,
         bucket_by_length: bool = False,
+        pad_to_multiple_of: int = 64,
         seed: int = 0,
         tokenizer: Literal["official", "skyformer"] = "official",
         max_len: int = 2000,
@@ -234,6 +235,8 @@ class ListOpsDataModule(SequenceDataModule):
         generate_val_size: int = 2_000,
         generate_test_size: int = 2_000,
         generate_processes: int | None = None,
+        generate_min_length: int = 500,
+        generate_max_length: int = 2000,
     ) -> None:
         """
         Args:
@@ -242,6 +245,8 @@ class ListOpsDataModule(SequenceDataModule):
             val_size: use the first n validation rows (and generate no more than n).
             test_size: use the first n test rows (and generate no more than n).
             bucket_by_length: batch sequences of similar length (less padding).
+            pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
+                ``max_len``): a bounded set of shapes keeps a long run's memory flat.
             seed: shuffling seed of the batches (the generator has ``generate_seed``).
             tokenizer: ``official`` (LRA's fixed tokeniser: parentheses dropped, ``]``
                 kept) or ``skyformer`` (all brackets dropped, which makes the task
@@ -256,6 +261,11 @@ class ListOpsDataModule(SequenceDataModule):
             generate_test_size: most test examples to generate (LRA: 2,000).
             generate_processes: generator processes (null: all cores); the output does
                 not depend on it.
+            generate_min_length, generate_max_length: LRA's ``--min_length`` and
+                ``--max_length`` flags: trees are kept when min < length < max tokens
+                (LRA: 500 and 2000, the task of the papers). Other values make another
+                task, generated into ``listops-<min>-<max>/`` beside LRA's
+                ``listops-1000/`` so the two never mix.
         """
         super().__init__(
             data_dir=data_dir,
@@ -266,6 +276,7 @@ class ListOpsDataModule(SequenceDataModule):
             val_size=val_size,
             test_size=test_size,
             bucket_by_length=bucket_by_length,
+            pad_to_multiple_of=pad_to_multiple_of,
             seed=seed,
         )
         check_positive("max_len", max_len, allow_none=False)
@@ -288,7 +299,23 @@ class ListOpsDataModule(SequenceDataModule):
             "test": generate_test_size,
         }
         self.generate_processes = generate_processes
-        self.directory = self.data_dir / "listops-1000"
+        check_positive("generate_min_length", generate_min_length, allow_none=False)
+        check_positive("generate_max_length", generate_max_length, allow_none=False)
+        if generate_max_length - generate_min_length < 2:
+            raise ValueError(
+                "generate_max_length must exceed generate_min_length + 1 (trees are kept when "
+                f"min < length < max); got {generate_min_length} and {generate_max_length}"
+            )
+        self.params = ListOpsParams(min_length=generate_min_length, max_length=generate_max_length)
+        default = ListOpsParams()
+        lra_lengths = (self.params.min_length, self.params.max_length) == (
+            default.min_length,
+            default.max_length,
+        )
+        folder = (
+            "listops-1000" if lra_lengths else f"listops-{generate_min_length}-{generate_max_length}"
+        )
+        self.directory = self.data_dir / folder
         self.paths = {split: self.directory / f"basic_{split}.tsv" for split in SPLITS}
         self.manifest_path = self.directory / MANIFEST_NAME
         # prepare_data and every load_split check the files; once is enough per process.
@@ -343,7 +370,7 @@ class ListOpsDataModule(SequenceDataModule):
         same_source = (
             manifest.get("format") == MANIFEST_FORMAT
             and manifest.get("seed") == self.generate_seed
-            and manifest.get("params") == ListOpsParams().as_dict()
+            and manifest.get("params") == self.params.as_dict()
         )
         have = manifest.get("sizes", {}) if same_source else {}
         if not missing:
@@ -380,14 +407,18 @@ class ListOpsDataModule(SequenceDataModule):
         start = time.perf_counter()
         try:
             write_tsv_files(
-                staging, sizes, seed=self.generate_seed, processes=self.generate_processes
+                staging,
+                sizes,
+                seed=self.generate_seed,
+                params=self.params,
+                processes=self.generate_processes,
             )
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "generator": "macformer_lit.data.listops_generator (LRA listops.py)",
                 "seed": self.generate_seed,
                 "sizes": dict(sizes),
-                "params": ListOpsParams().as_dict(),
+                "params": self.params.as_dict(),
                 "bytes": {s: staging[s].stat().st_size for s in SPLITS},
                 "seconds": round(time.perf_counter() - start, 1),
             }

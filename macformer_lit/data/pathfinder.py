@@ -89,6 +89,8 @@ class PathfinderDataModule(LRADataModule):
         val_size: use only the first N validation examples.
         test_size: use only the first N test examples.
         bucket_by_length: batch sequences of similar length together.
+        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
+            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
         seed: seed of the length-bucketing sampler.
         resolution: image side: 32 (LRA Pathfinder), 64, 128 (Path-X) or 256.
         difficulty: ``hard`` (contour length 14, LRA's), ``intermediate`` (9), ``easy`` (6).
@@ -115,6 +117,7 @@ class PathfinderDataModule(LRADataModule):
         val_size: int | None = None,
         test_size: int | None = None,
         bucket_by_length: bool = False,
+        pad_to_multiple_of: int = 64,
         seed: int = 0,
         resolution: int = 32,
         difficulty: Literal["easy", "intermediate", "hard"] = "hard",
@@ -137,6 +140,7 @@ class PathfinderDataModule(LRADataModule):
             val_size=val_size,
             test_size=test_size,
             bucket_by_length=bucket_by_length,
+            pad_to_multiple_of=pad_to_multiple_of,
             seed=seed,
         )
         if resolution not in (32, 64, 128, 256):

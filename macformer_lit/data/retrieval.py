@@ -88,14 +88,16 @@ class PairDataset(RaggedDataset):
 
 
 class PairCollate:
-    """Collate ``((ids_0, ids_1), label)`` items; each side padded to its own longest."""
+    """Collate ``((ids_0, ids_1), label)`` items; each side padded to its own longest,
+    rounded up to a multiple of ``multiple`` tokens (at most ``cap``)."""
 
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, multiple: int = 1, cap: int | None = None) -> None:
+        self.pad_id, self.multiple, self.cap = pad_id, multiple, cap
 
     def __call__(self, items) -> dict[str, torch.Tensor]:
-        ids_0, mask_0 = pad_sequences([a for (a, _), _ in items], self.pad_id)
-        ids_1, mask_1 = pad_sequences([b for (_, b), _ in items], self.pad_id)
+        pad = dict(multiple=self.multiple, cap=self.cap)
+        ids_0, mask_0 = pad_sequences([a for (a, _), _ in items], self.pad_id, **pad)
+        ids_1, mask_1 = pad_sequences([b for (_, b), _ in items], self.pad_id, **pad)
         return {
             "input_ids_0": ids_0,
             "padding_mask_0": mask_0,
@@ -117,6 +119,8 @@ class RetrievalDataModule(LRADataModule):
         val_size: use only the first N validation examples.
         test_size: use only the first N test examples.
         bucket_by_length: batch sequences of similar length together.
+        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
+            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
         seed: seed of the length-bucketing sampler.
         max_len: bytes kept per document (LRA: 4000); longer documents are cut.
         source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
@@ -137,6 +141,7 @@ class RetrievalDataModule(LRADataModule):
         val_size: int | None = None,
         test_size: int | None = None,
         bucket_by_length: bool = False,
+        pad_to_multiple_of: int = 64,
         seed: int = 0,
         max_len: int = 4000,
         source: Literal["auto", "raw", "skyformer"] = "auto",
@@ -153,6 +158,7 @@ class RetrievalDataModule(LRADataModule):
             val_size=val_size,
             test_size=test_size,
             bucket_by_length=bucket_by_length,
+            pad_to_multiple_of=pad_to_multiple_of,
             seed=seed,
         )
         # max_len is per document: the model encodes each side separately.
@@ -165,7 +171,7 @@ class RetrievalDataModule(LRADataModule):
         )
 
     def collate(self):
-        return PairCollate(self.pad_id)
+        return PairCollate(self.pad_id, self.pad_to_multiple_of, self.max_len)
 
     def _tsv(self, split: str) -> Path | None:
         relative = f"tsv_data/new_aan_pairs.{TSV_NAMES[split]}.tsv"

@@ -70,6 +70,8 @@ class TextDataModule(LRADataModule):
         val_size: use only the first N validation examples.
         test_size: use only the first N test examples.
         bucket_by_length: batch sequences of similar length together.
+        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
+            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
         seed: seed of the length-bucketing sampler.
         max_len: bytes kept per review (LRA: 4000); longer reviews are cut.
         source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
@@ -90,6 +92,7 @@ class TextDataModule(LRADataModule):
         val_size: int | None = None,
         test_size: int | None = None,
         bucket_by_length: bool = False,
+        pad_to_multiple_of: int = 64,
         seed: int = 0,
         max_len: int = 4000,
         source: Literal["auto", "raw", "skyformer"] = "auto",
@@ -106,6 +109,7 @@ class TextDataModule(LRADataModule):
             val_size=val_size,
             test_size=test_size,
             bucket_by_length=bucket_by_length,
+            pad_to_multiple_of=pad_to_multiple_of,
             seed=seed,
         )
         self._set_byte_task(

@@ -113,3 +113,14 @@ def test_even_eval_batches_cannot_even_out_batches_of_one():
     # An empty split: no batch, no error.
     empty = dataset(n=0)
     assert list(EvenEvalBatchSampler(DistributedSampler(empty, 2, 0, shuffle=False), 4)) == []
+
+
+def test_padded_length_rounds_up_and_stops_at_the_cap():
+    from macformer_lit.data.common import padded_length, pad_sequences
+
+    assert [padded_length(n, 64) for n in (1, 63, 64, 65, 128)] == [64, 64, 64, 128, 128]
+    assert [padded_length(n, 64, cap=100) for n in (1, 65, 99, 100)] == [64, 100, 100, 100]
+    assert padded_length(7, 1) == 7
+    ids, mask = pad_sequences([[3, 4, 5], [6]], 0, multiple=4)
+    assert ids.tolist() == [[3, 4, 5, 0], [6, 0, 0, 0]]
+    assert mask.tolist() == [[True, True, True, False], [True, False, False, False]]

@@ -338,8 +338,10 @@ def test_datamodule_round_trip(tmp_path):
         assert (ids.dtype, mask.dtype, labels.dtype) == (torch.long, torch.bool, torch.long)
         assert ids.shape == mask.shape and ids.shape[0] == 8 and labels.shape == (8,)
         lengths = mask.sum(1)
-        # Padded to the longest sequence of this batch, real tokens first.
-        assert ids.shape[1] == lengths.max()
+        # Padded to the longest sequence of this batch rounded up to a multiple of 64
+        # (at most max_len), real tokens first.
+        longest = int(lengths.max())
+        assert ids.shape[1] == min(-(-longest // 64) * 64, 2000)
         assert torch.equal(mask, torch.arange(ids.shape[1]) < lengths[:, None])
         assert (ids[~mask] == dm.pad_id).all() and (ids[mask] != dm.pad_id).all()
         assert (ids < dm.vocab_size).all() and 500 < lengths.min() and lengths.max() < 2000
@@ -402,6 +404,13 @@ def test_skyformer_datamodule(tmp_path):
     assert [len(s) for s in dm.datasets["train"].sequences] == dropped
 
 
+def test_pad_to_multiple_of_one_pads_to_the_longest(tmp_path):
+    dm = _dm(tmp_path, batch_size=8, train_size=16, val_size=4, test_size=4, pad_to_multiple_of=1)
+    dm.setup("fit")
+    for batch in dm.train_dataloader():
+        assert batch["input_ids"].shape[1] == batch["padding_mask"].sum(1).max()
+
+
 def test_bucketed_batches_hold_neighbouring_lengths(tmp_path):
     dm = _dm(tmp_path, batch_size=8, train_size=96, val_size=4, test_size=4, bucket_by_length=True)
     dm.setup("fit")
@@ -415,5 +424,5 @@ def test_bucketed_batches_hold_neighbouring_lengths(tmp_path):
         # sequence strictly between its shortest and longest is in it.
         inside = ((all_lengths > lo) & (all_lengths < hi)).sum()
         assert inside == ((lengths > lo) & (lengths < hi)).sum()
-        assert batch["input_ids"].shape[1] == hi
+        assert batch["input_ids"].shape[1] == min(-(-int(hi) // 64) * 64, 2000)
     assert seen == 96

@@ -74,7 +74,9 @@ def test_tsv_pairs_quotes_labels_truncation(tmp_path, caplog):
     loader = DataLoader(dm.datasets["train"], batch_size=3, collate_fn=dm.collate())
     batch = next(iter(loader))
     # Each side is padded to its own longest document.
-    assert batch["input_ids_0"].shape == (3, max(len(r[3].encode()) for r in ROWS["train"]))
+    # Each side padded to its longest document rounded up to 64 bytes, at most max_len.
+    longest = max(len(r[3].encode()) for r in ROWS["train"])
+    assert batch["input_ids_0"].shape == (3, min(-(-longest // 64) * 64, MAX_LEN))
     assert batch["input_ids_1"].shape == (3, MAX_LEN)
     for side in "01":
         assert batch[f"input_ids_{side}"].dtype == torch.long
