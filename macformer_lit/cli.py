@@ -95,10 +95,20 @@ def shipped_configs() -> list[str]:
     return sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.yaml"))
 
 
+# Shipped configs that were renamed: the old name gets one line saying what to write.
+RENAMED_CONFIGS = {
+    "lra_listops_cpu.yaml": "listops_short_cpu.yaml (the CPU main job; it trains on short "
+    "ListOps trees, so it is no longer named after the LRA task, which is lra_listops.yaml)",
+}
+
+
 def resolve_config(name: str) -> str:
     """A path that exists is used as is; otherwise look in the shipped ``configs/``."""
     if Path(name).is_file():
         return name
+    renamed = RENAMED_CONFIGS.get(name) or RENAMED_CONFIGS.get(f"{name}.yaml")
+    if renamed:
+        raise ConfigNotFound(f"macformer_lit: error: config {name!r} was renamed: use {renamed}")
     for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
         if candidate.is_file():
             return str(candidate)

@@ -1,25 +1,44 @@
 """``python -m macformer_lit report RUN_DIRS... [--out DIR]``: the papers' Table 2 from our runs.
 
-Reads finished runs (each folder holding the ``config.yaml`` and ``metrics.csv`` the CLI
-writes; a parent folder is searched recursively) and writes, per task and attention
-setting: training time and peak memory normalised to the softmax run of the same task,
-and test accuracy (mean ± std over seeds where several exist), as ``report.md`` and
-``report.csv``, plus ``report.png`` (test accuracy against relative training time).
-Time is ``train/time_sec`` (training steps only, validation excluded); memory is peak GPU
-memory on GPU runs, peak process RSS on CPU runs, and the table says which.
+Reads run folders (each holding the ``config.yaml`` and ``metrics.csv`` the CLI writes; a
+parent folder is searched recursively) and writes to ``--out``:
+
+- ``report.md``, ``report.csv``: per task and attention setting, test accuracy (mean ±
+  sample standard deviation, n-1, over distinct seeds, and the number of seeds); training
+  time and peak memory relative to the softmax row with the same settings (absolute values
+  in the softmax row); CPU or GPU; and the attention telemetry at the end of training: NMSE
+  against the exact kernel (the last logged ``telemetry/layer*/nmse``, mean over layers)
+  beside uniform attention's (``nmse_uniform``). With ``--lra_table`` (on by default when
+  an LRA task was run): the papers' ListOps numbers beside ours, and a row with its command
+  for each LRA task not run. Every folder not counted is listed under "Skipped" with why.
+- ``report.png``: test accuracy against relative training time.
+- ``curves.png``: validation accuracy over training steps, per setting the mean over seeds
+  as a line and their min–max as a band.
+- ``telemetry.png``: per setting that logged telemetry, over training steps: NMSE against
+  exact, NMSE of uniform attention (log scale), and the logit range.
+
+Only finished fits count: a ``test/acc`` logged after training reached the configured
+``trainer.max_steps`` (or ``max_epochs``). Runs group by their whole config except the seeds
+and run bookkeeping (names, paths, W&B, loggers, what is measured or displayed), so runs of
+different data or tokenizers never average together; of two runs of one seed in a group,
+the later in path order is kept. Time is ``train/time_sec`` (training steps only); memory
+is peak GPU memory on GPU runs, peak process RSS on CPU runs, and the table says which.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
+import re
 import statistics
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from macformer_lit.plotting import colours_for, plot_bands, pyplot
 
 TASK_NAMES = {
     "ListOpsDataModule": "ListOps",
@@ -28,6 +47,72 @@ TASK_NAMES = {
     "ImageDataModule": "Image",
     "PathfinderDataModule": "Pathfinder",
 }
+LRA_CONFIGS = {
+    "ListOps": "lra_listops.yaml",
+    "Text": "lra_text.yaml",
+    "Retrieval": "lra_retrieval.yaml",
+    "Image": "lra_image.yaml",
+    "Pathfinder": "lra_pathfinder.yaml",
+}
+MACFORMER_CONFIG = "attention/rmfa_exp.yaml"
+# Test accuracy (%) on LRA ListOps (trees of 500-2000 tokens) as the papers report it.
+PAPER_LISTOPS = [
+    ("Macformer paper", "Transformer (softmax)", 37.30),
+    ("Macformer paper", "Macformer_exp (RMFA exp + ppSBN)", 38.36),
+    ("SchoenbAt paper", "SchoenbAt", 38.21),
+    ("LRA paper", "Transformer (softmax)", 36.37),
+    ("xformers", "Transformer, 2 layers, softmax", 37.5),
+]
+SEED_KEYS = ("seed_everything", "data.init_args.seed")
+# Run bookkeeping: names, paths, W&B, loggers, and what is measured or displayed; none of it
+# changes what is trained.
+BOOKKEEPING = (
+    "experiment",
+    "runs_dir",
+    "ckpt_path",
+    "weights_only",
+    "test_after_fit",
+    "wandb_mode",
+    "wandb_project",
+    "trainer.logger",
+    "trainer.default_root_dir",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "telemetry",
+    "memory",
+)
+ATTENTION_PREFIX = "model.init_args.attention"
+# Attention options the row's label already shows.
+LABELLED = {f"{ATTENTION_PREFIX}.{k}" for k in ("name", "kernel", "pre_sbn", "post_sbn")}
+CSV_FIELDS = [
+    "task",
+    "backend",
+    "setting",
+    "status",
+    "seeds",
+    "seed_values",
+    "test_acc",
+    "test_acc_std",
+    "time_sec",
+    "time_rel",
+    "peak_mem_mb",
+    "mem_rel",
+    "mem_kind",
+    "device",
+    "softmax_time_sec",
+    "softmax_peak_mem_mb",
+    "nmse",
+    "nmse_uniform",
+    "runs",
+    "command",
+    "macformer_command",
+]
+
+Series = list[tuple[float, float]]
+
+
+class Skip(Exception):
+    """A folder that is not counted; the message says why."""
 
 
 @dataclass
@@ -35,11 +120,16 @@ class Run:
     path: Path
     task: str
     backend: str
-    seed: int | None
-    test_acc: float | None
+    seed: tuple
+    settings: dict[str, str]
+    test_acc: float
     time_sec: float | None
     peak_mem_mb: float | None
     mem_kind: str
+    nmse: float | None = None
+    nmse_uniform: float | None = None
+    val_acc: Series = field(default_factory=list)
+    telemetry: dict[str, Series] = field(default_factory=dict)
 
 
 def backend_label(attention: dict | None) -> str:
@@ -56,131 +146,541 @@ def backend_label(attention: dict | None) -> str:
     return label
 
 
-def _last(rows: list[dict], key: str, how=max) -> float | None:
-    values = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
-    return how(values) if values else None
+# ---- reading one run -----------------------------------------------------------------------
+def flatten(value, prefix: str = "") -> dict[str, str]:
+    """Dotted keys to canonical text: ``{"data.init_args.max_len": "2000", ...}``."""
+    if isinstance(value, dict) and value:
+        items = value.items()
+    elif isinstance(value, list) and value:
+        items = enumerate(value)
+    else:
+        return {prefix: value if isinstance(value, str) else json.dumps(value)}
+    out: dict[str, str] = {}
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def is_ignored(key: str) -> bool:
+    """Seeds and bookkeeping, left out of the grouping key (callbacks: only their paths)."""
+    if any(key == p or key.startswith(p + ".") for p in SEED_KEYS + BOOKKEEPING):
+        return True
+    if key.startswith("wandb"):
+        return True
+    last = key.rsplit(".", 1)[-1]
+    return key.startswith("trainer.callbacks.") and last.endswith(("dir", "dirpath", "filename"))
+
+
+def _number(text: str | None, where: str) -> float | None:
+    if text in (None, ""):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise Skip(f"metrics.csv: {where} is {text!r}, not a number") from None
+
+
+def _values(rows: list[dict], key: str) -> list[tuple[dict, float]]:
+    return [(r, v) for r in rows if (v := _number(r.get(key), key)) is not None]
+
+
+def _seed(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def read_config(path: Path) -> dict:
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise Skip(f"config.yaml is not valid YAML ({first})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("data"), dict):
+        raise Skip("config.yaml is not a macformer_lit run config (no data section)")
+    if not isinstance(config.get("model"), dict):
+        raise Skip("config.yaml is not a macformer_lit run config (no model section)")
+    return config
+
+
+def read_metrics(path: Path) -> list[dict]:
+    try:
+        with open(path / "metrics.csv", newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise Skip(f"metrics.csv is not readable CSV ({err})") from None
+    if not rows or "step" not in rows[0]:
+        raise Skip("metrics.csv has no logged rows (no 'step' column)")
+    return rows
+
+
+def check_finished(config: dict, rows: list[dict]) -> None:
+    """Raise ``Skip`` unless a test accuracy was logged after training ran to its limit."""
+    if not _values(rows, "train/loss_step") and not _values(rows, "train/time_sec"):
+        raise Skip("no training steps in metrics.csv (a test-only run, or a fit that never ran)")
+    tests = _values(rows, "test/acc")
+    if not tests:
+        raise Skip("no test/acc in metrics.csv (an interrupted fit, or --test_after_fit false)")
+    last = tests[-1][0]
+    # The test after a fit logs at the fit's final step and epoch.
+    step = int(_number(last.get("step"), "step") or 0)
+    epoch = int(_number(last.get("epoch"), "epoch") or 0)
+    trainer = config.get("trainer") or {}
+    max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
+    limits = []
+    if isinstance(max_steps, int) and max_steps > 0:
+        if step >= max_steps:
+            return
+        limits.append(f"step {step} of trainer.max_steps {max_steps}")
+    if isinstance(max_epochs, int) and max_epochs > 0:
+        if epoch >= max_epochs:
+            return
+        limits.append(f"epoch {epoch} of trainer.max_epochs {max_epochs}")
+    if limits:
+        raise Skip("training stopped before its limit: tested at " + ", ".join(limits))
+
+
+def _telemetry(rows: list[dict]) -> tuple[dict[str, Series], dict[str, float]]:
+    """Per step, over layers: mean NMSEs, min logit_min and max logit_max; and the last
+    value of each layer's ``nmse`` / ``nmse_uniform`` averaged over layers."""
+    pattern = re.compile(r"telemetry/layer(\d+)/(nmse|nmse_uniform|logit_min|logit_max)$")
+    keys = [(k, m.group(2)) for k in rows[0] if (m := pattern.match(k))]
+    reduce = {"nmse": statistics.fmean, "nmse_uniform": statistics.fmean}
+    reduce |= {"logit_min": min, "logit_max": max}
+    series: dict[str, Series] = {q: [] for q in reduce}
+    last: dict[str, dict[str, float]] = {"nmse": {}, "nmse_uniform": {}}
+    for row in rows:
+        per: dict[str, list[float]] = {}
+        for key, quantity in keys:
+            value = _number(row.get(key), key)
+            if value is not None:
+                per.setdefault(quantity, []).append(value)
+                if quantity in last:
+                    last[quantity][key] = value
+        step = _number(row.get("step"), "step")
+        if step is None:
+            continue
+        for quantity, values in per.items():
+            series[quantity].append((step, reduce[quantity](values)))
+    final = {q: statistics.fmean(v.values()) for q, v in last.items() if v}
+    return {q: s for q, s in series.items() if s}, final
 
 
 def read_run(path: Path) -> Run:
-    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    rows = list(csv.DictReader(open(path / "metrics.csv", newline="")))
-    data_class = str((config.get("data") or {}).get("class_path", "?")).rsplit(".", 1)[-1]
-    model_args = (config.get("model") or {}).get("init_args") or {}
-    gpu = _last(rows, "train/peak_gpu_mem_mb")
-    seed = config.get("seed_everything")
+    """One finished fit; ``Skip`` with the reason for anything else."""
+    if not (path / "config.yaml").is_file():
+        raise Skip("not a run: metrics.csv without config.yaml")
+    if not (path / "metrics.csv").is_file():
+        raise Skip("not a run: config.yaml without metrics.csv")
+    config = read_config(path)
+    rows = read_metrics(path)
+    check_finished(config, rows)
+    data_class = str(config["data"].get("class_path", "?")).rsplit(".", 1)[-1]
+    model_args = config["model"].get("init_args") or {}
+    data_args = config["data"].get("init_args") or {}
+    attention = model_args.get("attention")
+    if attention is not None and not isinstance(attention, dict):
+        raise Skip(f"model.init_args.attention is {attention!r}, not a mapping")
+    gpu = [v for _, v in _values(rows, "train/peak_gpu_mem_mb")]
+    rss = [v for _, v in _values(rows, "train/peak_rss_mb")]
+    times = [v for _, v in _values(rows, "train/time_sec")]
+    telemetry, final = _telemetry(rows)
     return Run(
         path=path,
         task=TASK_NAMES.get(data_class, data_class),
-        backend=backend_label(model_args.get("attention")),
-        seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None,
-        test_acc=_last(rows, "test/acc", how=lambda v: v[-1]),
-        time_sec=_last(rows, "train/time_sec"),
-        peak_mem_mb=gpu if gpu is not None else _last(rows, "train/peak_rss_mb"),
-        mem_kind="GPU" if gpu is not None else "RSS",
+        backend=backend_label(attention),
+        seed=(_seed(config.get("seed_everything")), _seed(data_args.get("seed"))),
+        settings={k: v for k, v in flatten(config).items() if not is_ignored(k)},
+        test_acc=_values(rows, "test/acc")[-1][1],
+        time_sec=max(times) if times else None,
+        peak_mem_mb=max(gpu or rss) if (gpu or rss) else None,
+        mem_kind="GPU" if gpu else "RSS",
+        nmse=final.get("nmse"),
+        nmse_uniform=final.get("nmse_uniform"),
+        val_acc=[(float(r["step"]), v) for r, v in _values(rows, "val/acc") if r.get("step")],
+        telemetry=telemetry,
     )
 
 
-def find_runs(paths: list[Path]) -> list[Path]:
+# ---- finding and grouping runs -------------------------------------------------------------
+def _natural(path: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def find_runs(
+    paths: list[Path], out: Path | None = None
+) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Folders holding ``config.yaml`` or ``metrics.csv`` (not those inside another such
+    folder, e.g. W&B's files), and the folders under a given path holding neither (but
+    ``out``, where the report itself goes)."""
     found: list[Path] = []
+    empty: list[tuple[Path, str]] = []
     for p in paths:
         if not p.exists():
             raise SystemExit(f"report: error: {p} does not exist")
-        candidates = (
-            [p]
-            if (p / "config.yaml").is_file()
-            else sorted(c.parent for c in p.rglob("config.yaml"))
-        )
-        found += [c for c in candidates if (c / "metrics.csv").is_file()]
-    if not found:
-        raise SystemExit(
-            "report: error: no finished runs (folders with config.yaml and metrics.csv) under "
-            + ", ".join(map(str, paths))
-        )
-    return found
+        if not p.is_dir():
+            empty.append((p, "not a folder"))
+            continue
+        marked = {f.parent for name in ("config.yaml", "metrics.csv") for f in p.rglob(name)}
+        top = sorted((d for d in marked if not any(a in marked for a in d.parents)), key=_natural)
+        found += top
+        if p in marked:
+            continue
+        if not top:
+            empty.append((p, "not a run: no config.yaml or metrics.csv in it or below"))
+            continue
+        for child in sorted(c for c in p.iterdir() if c.is_dir()):
+            if out is not None and child.resolve() == out.resolve():
+                continue
+            if not any(d == child or child in d.parents for d in top):
+                empty.append((child, "not a run: no config.yaml or metrics.csv in it or below"))
+    return found, empty
 
 
-def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+def collect(paths: list[Path], out: Path | None = None) -> tuple[list[Run], list[tuple[Path, str]]]:
+    """The runs that count, and every folder skipped with why."""
+    folders, skipped = find_runs(paths, out)
+    runs: list[Run] = []
+    for folder in folders:
+        try:
+            runs.append(read_run(folder))
+        except Skip as why:
+            skipped.append((folder, str(why)))
+        except OSError as err:
+            skipped.append((folder, f"unreadable ({err.strerror or err})"))
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            # A config of another shape (not written by this CLI): one line, no traceback.
+            skipped.append((folder, f"not a run config this report reads ({err!r})"))
+    # One run per seed in a group: a rerun of a seed replaces it rather than counting twice.
+    kept: dict[tuple, Run] = {}
+    for run in sorted(runs, key=lambda r: _natural(r.path)):
+        # An unseeded run (seed_everything null) is its own seed.
+        key = (group_key(run), run.seed if run.seed[0] is not None else run.path)
+        if key in kept:
+            skipped.append(
+                (
+                    kept[key].path,
+                    f"same seed as {run.path}, which is counted instead (the later in path order)",
+                )
+            )
+        kept[key] = run
+    return list(kept.values()), skipped
 
 
-def summarise(runs: list[Run]) -> list[dict]:
-    groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
+def group_key(run: Run) -> tuple:
+    return (run.task, tuple(sorted(run.settings.items())))
+
+
+def task_key(run: Run) -> tuple:
+    """The group key without the attention spec: rows that share it compare to one softmax."""
+    return (
+        run.task,
+        tuple(
+            sorted((k, v) for k, v in run.settings.items() if not k.startswith(ATTENTION_PREFIX))
+        ),
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _short(key: str) -> str:
+    return key.replace(".init_args.", ".")
+
+
+def settings_text(groups: dict[tuple, list[Run]]) -> dict[tuple, str]:
+    """What tells apart rows the label does not: the non-attention settings that differ among
+    a task's groups, and the attention options that differ among groups of one label."""
+    out: dict[tuple, str] = {}
+    for key, runs in groups.items():
+        task, label = runs[0].task, runs[0].backend
+        same_task = [rs[0].settings for rs in groups.values() if rs[0].task == task]
+        same_label = [
+            rs[0].settings for rs in groups.values() if (rs[0].task, rs[0].backend) == (task, label)
+        ]
+        parts = []
+        for pool, attention in ((same_task, False), (same_label, True)):
+            keys = sorted({k for s in pool for k in s})
+            for k in keys:
+                if k.startswith(ATTENTION_PREFIX) != attention or k in LABELLED:
+                    continue
+                if len({s.get(k) for s in pool}) > 1:
+                    parts.append(f"{_short(k)}={runs[0].settings.get(k, 'unset')}")
+        out[key] = ", ".join(parts)
+    return out
+
+
+def seed_text(seed: tuple) -> str:
+    """``42``, or ``42/data7`` where the data seed is not the default 0; ``?`` unseeded."""
+    everything, data = seed
+    text = "?" if everything is None else str(everything)
+    return text if data in (None, 0) else f"{text}/data{data}"
+
+
+def summarise(runs: list[Run]) -> tuple[list[dict], dict[tuple, list[Run]]]:
+    groups: dict[tuple, list[Run]] = {}
     for r in runs:
-        groups[(r.task, r.backend)].append(r)
+        groups.setdefault(group_key(r), []).append(r)
+    settings = settings_text(groups)
+    baselines: dict[tuple, list[Run]] = {}
+    # Where several softmax groups share the settings, the one with most seeds.
+    for rs in sorted(groups.values(), key=len, reverse=True):
+        if rs[0].backend == "softmax":
+            baselines.setdefault(task_key(rs[0]), rs)
     rows = []
-    for (task, backend), rs in sorted(groups.items()):
-        base = groups.get((task, "softmax"), [])
-        base_time = _mean_std([r.time_sec for r in base if r.time_sec])[0]
-        base_mem = _mean_std([r.peak_mem_mb for r in base if r.peak_mem_mb])[0]
-        acc, acc_std = _mean_std([100 * r.test_acc for r in rs if r.test_acc is not None])
-        time, _ = _mean_std([r.time_sec for r in rs if r.time_sec])
-        mem, _ = _mean_std([r.peak_mem_mb for r in rs if r.peak_mem_mb])
+    for key, rs in groups.items():
+        base = baselines.get(task_key(rs[0]), [])
+        base_time = _mean([r.time_sec for r in base if r.time_sec])
+        base_mem = _mean([r.peak_mem_mb for r in base if r.peak_mem_mb])
+        accs = [100 * r.test_acc for r in rs]
+        time = _mean([r.time_sec for r in rs if r.time_sec])
+        mem = _mean([r.peak_mem_mb for r in rs if r.peak_mem_mb])
         rows.append(
             {
-                "task": task,
-                "backend": backend,
-                "runs": len(rs),
-                "test_acc": acc,
-                "test_acc_std": acc_std,
+                "task": rs[0].task,
+                "backend": rs[0].backend,
+                "setting": settings[key],
+                "status": "run",
+                "seeds": len(rs),
+                "seed_values": ";".join(seed_text(r.seed) for r in rs),
+                "test_acc": statistics.fmean(accs),
+                "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else None,
                 "time_sec": time,
                 "time_rel": time / base_time if time and base_time else None,
                 "peak_mem_mb": mem,
                 "mem_rel": mem / base_mem if mem and base_mem else None,
                 "mem_kind": "/".join(sorted({r.mem_kind for r in rs})),
+                "device": "/".join(sorted({"GPU" if r.mem_kind == "GPU" else "CPU" for r in rs})),
+                "softmax_time_sec": base_time,
+                "softmax_peak_mem_mb": base_mem,
+                "nmse": _mean([r.nmse for r in rs if r.nmse is not None]),
+                "nmse_uniform": _mean([r.nmse_uniform for r in rs if r.nmse_uniform is not None]),
+                "runs": ";".join(str(r.path) for r in rs),
+                "command": None,
+                "_key": key,
             }
         )
-    return rows
+    order = list(TASK_NAMES.values())
+    rows.sort(
+        key=lambda r: (
+            order.index(r["task"]) if r["task"] in order else len(order),
+            r["task"],
+            r["backend"] != "softmax",
+            r["backend"],
+            r["setting"],
+        )
+    )
+    return rows, groups
 
 
+def not_run_rows(rows: list[dict]) -> list[dict]:
+    """A row with its command for each LRA task without a counted run."""
+    done = {r["task"] for r in rows}
+    out = []
+    for task, config in LRA_CONFIGS.items():
+        if task not in done:
+            command = f"python -m macformer_lit fit --config {config}"
+            out.append(
+                {
+                    "task": task,
+                    "status": "not run",
+                    "seeds": 0,
+                    "command": command,
+                    "macformer_command": f"{command} --config {MACFORMER_CONFIG}",
+                }
+            )
+    return out
+
+
+# ---- writing -------------------------------------------------------------------------------
 def _fmt(x: float | None, spec: str) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def write_outputs(rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+def _acc(row: dict) -> str:
+    text = _fmt(row["test_acc"], ".2f")
+    return text if row.get("test_acc_std") is None else f"{text} ± {row['test_acc_std']:.2f}"
+
+
+def _listops_lengths(settings: dict[str, str]) -> str:
+    lo = settings.get("data.init_args.generate_min_length", "?")
+    hi = settings.get("data.init_args.generate_max_length", "?")
+    return f"trees {lo}–{hi} tokens"
+
+
+def markdown(
+    rows: list[dict],
+    missing: list[dict],
+    groups: dict[tuple, list[Run]],
+    skipped: list[tuple[Path, str]],
+    lra_table: bool,
+) -> str:
     lines = [
-        "| task | attention | runs | test acc (%) | time (× softmax) | peak memory (× softmax) |",
-        "|---|---|---|---|---|---|",
+        "| task | attention | setting | seeds | test acc (%) | time (× softmax) "
+        "| peak memory (× softmax) | device | NMSE vs exact | NMSE uniform |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        acc = _fmt(r["test_acc"], ".2f")
-        if r["runs"] > 1 and r["test_acc"] is not None:
-            acc += f" ± {r['test_acc_std']:.2f}"
+        time, mem = _fmt(r["time_rel"], ".2f"), _fmt(r["mem_rel"], ".2f")
+        if r["backend"] == "softmax" and r["time_sec"] is not None:
+            time += f" ({r['time_sec']:.3g} s)"
+        if r["backend"] == "softmax" and r["peak_mem_mb"] is not None:
+            mem += f" ({r['peak_mem_mb']:.0f} MB {r['mem_kind']})"
+        else:
+            mem += f" ({r['mem_kind']})"
         lines.append(
-            f"| {r['task']} | {r['backend']} | {r['runs']} | {acc} | {_fmt(r['time_rel'], '.2f')} "
-            f"| {_fmt(r['mem_rel'], '.2f')} ({r['mem_kind']}) |"
+            f"| {r['task']} | {r['backend']} | {r['setting'] or '–'} | {r['seeds']} | {_acc(r)} "
+            f"| {time} | {mem} | {r['device']} | {_fmt(r['nmse'], '.2e')} "
+            f"| {_fmt(r['nmse_uniform'], '.2e')} |"
         )
-    lines.append("")
-    lines.append(
-        "Time: training steps only (`train/time_sec`); memory: peak GPU memory, or peak "
-        "process RSS (CPU runs); both relative to the softmax run of the same task."
-    )
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    for r in missing:
+        lines.append(
+            f"| {r['task']} | – | not run: `{r['command']}` (Macformer: add "
+            f"`--config {MACFORMER_CONFIG}`) | 0 | not run | – | – | – | – | – |"
+        )
+    lines += [
+        "",
+        "- test acc: mean ± sample standard deviation (n−1) over the distinct seeds counted "
+        "(the seeds column); one seed: no ±.",
+        "- time: training steps only (`train/time_sec`); memory: peak GPU memory, or peak "
+        "process RSS on CPU runs; both relative to the softmax row with the same settings, "
+        "whose absolute values are in parentheses.",
+        "- device: CPU or GPU, read from the memory metric the run logged; config.yaml and "
+        "metrics.csv do not record the machine's model.",
+        "- NMSE: the attention telemetry's last logged `telemetry/layer*/nmse` against the "
+        "exact kernel, mean over layers (then over seeds), beside uniform attention's "
+        "(`nmse_uniform`); – where the run logged no telemetry.",
+        "- rows: runs grouped by their whole config except seeds (`seed_everything`, "
+        "`data.init_args.seed`) and bookkeeping (experiment, runs_dir, ckpt_path, W&B, "
+        "loggers, callback paths, telemetry and memory settings, progress display); setting "
+        "shows the config values in which rows of a task differ. Only fits that reached "
+        "their max_steps/max_epochs and then logged test/acc count; a second run of a seed "
+        "already in its group counts once (the later in path order).",
+    ]
+    if lra_table:
+        lines += [
+            "",
+            "## ListOps: the papers' numbers beside ours",
+            "",
+            "| source | model | test acc (%) |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {src} | {model} | {acc:.2f} |" for src, model, acc in PAPER_LISTOPS]
+        ours = [r for r in rows if r["task"] == "ListOps"]
+        for r in ours:
+            settings = groups[r["_key"]][0].settings
+            lines.append(
+                f"| ours | {r['backend']} ({_listops_lengths(settings)}, {r['seeds']} seed"
+                f"{'s' if r['seeds'] > 1 else ''}) | {_acc(r)} |"
+            )
+        if not ours:
+            lines.append(
+                f"| ours | not run: `python -m macformer_lit fit --config "
+                f"{LRA_CONFIGS['ListOps']}` | – |"
+            )
+        lines += [
+            "",
+            "The papers' numbers are on LRA's ListOps (trees of 500–2000 tokens, "
+            "`lra_listops.yaml`); a run on other tree lengths is not comparable to them.",
+        ]
+    lines += ["", "## Skipped", ""]
+    skipped = sorted(skipped, key=lambda item: _natural(item[0]))
+    lines += [f"- `{p}`: {why}" for p, why in skipped] or ["None."]
+    return "\n".join(lines) + "\n"
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
 
+
+def row_name(row: dict, tasks: int) -> str:
+    name = row["backend"] + (f" [{row['setting']}]" if row["setting"] else "")
+    return f"{row['task']}: {name}" if tasks > 1 else name
+
+
+def plot_accuracy_time(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for task in sorted({r["task"] for r in rows}):
-        pts = [r for r in rows if r["task"] == task and r["test_acc"] is not None and r["time_rel"]]
+        pts = [r for r in rows if r["task"] == task and r["time_rel"]]
         ax.scatter([r["time_rel"] for r in pts], [r["test_acc"] for r in pts], label=task)
         for r in pts:
-            ax.annotate(r["backend"], (r["time_rel"], r["test_acc"]), fontsize=7)
-    ax.set_xlabel("training time (× softmax, same task)")
+            ax.annotate(row_name(r, 1), (r["time_rel"], r["test_acc"]), fontsize=7)
+    ax.set_xlabel("training time (× softmax, same settings)")
     ax.set_ylabel("test accuracy (%)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "report.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_validation(rows: list[dict], groups: dict[tuple, list[Run]], path: Path) -> None:
+    """Validation accuracy over steps, one panel per task."""
+    plt = pyplot()
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    names = {r["_key"]: row_name(r, 1) for r in rows}
+    colours = colours_for(list(names.values()))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        curves = {
+            names[r["_key"]]: [[(s, 100 * v) for s, v in run.val_acc] for run in groups[r["_key"]]]
+            for r in rows
+            if r["task"] == task
+        }
+        plot_bands(ax, curves, colours=colours)
+        ax.set_title(f"{task}: validation accuracy (mean over seeds, min–max band)")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("validation accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_telemetry(rows: list[dict], groups: dict[tuple, list[Run]], path: Path) -> bool:
+    """NMSE vs exact, NMSE of uniform attention and the logit range over steps; False (and
+    no file) when no run logged telemetry."""
+    tasks = len({r["task"] for r in rows})
+    with_telemetry = [r for r in rows if any(run.telemetry for run in groups[r["_key"]])]
+    if not with_telemetry:
+        return False
+    plt = pyplot()
+    names = {r["_key"]: row_name(r, tasks) for r in with_telemetry}
+    colours = colours_for(list(names.values()))
+
+    def curves(quantity: str) -> dict[str, list]:
+        return {
+            names[r["_key"]]: [run.telemetry.get(quantity, []) for run in groups[r["_key"]]]
+            for r in with_telemetry
+        }
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    plot_bands(axes[0], curves("nmse"), colours=colours, log=True)
+    axes[0].set_title("NMSE against exact attention")
+    plot_bands(axes[1], curves("nmse_uniform"), colours=colours, log=True)
+    axes[1].set_title("NMSE of uniform attention against exact")
+    plot_bands(axes[2], curves("logit_max"), colours=colours, label_suffix=" max")
+    dashed = {name: "--" for name in names.values()}
+    plot_bands(
+        axes[2], curves("logit_min"), colours=colours, linestyles=dashed, label_suffix=" min"
+    )
+    axes[2].set_title("logit range q·k/√d (max solid, min dashed)")
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        "Attention telemetry, mean over layers (logits: min/max over layers); "
+        "mean over seeds, min–max band"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,11 +691,38 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("runs", nargs="+", type=Path, help="run folders or their parents")
     parser.add_argument("--out", type=Path, default=Path("reports"), help="output folder")
+    parser.add_argument(
+        "--lra_table",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the papers' ListOps numbers and the LRA tasks not run (auto: when an LRA task "
+        "was run)",
+    )
     args = parser.parse_args(argv)
-    rows = summarise([read_run(p) for p in find_runs(args.runs)])
-    write_outputs(rows, args.out)
-    print((args.out / "report.md").read_text())
-    print(f"Wrote {args.out / 'report.md'}, {args.out / 'report.csv'}, {args.out / 'report.png'}")
+    runs, skipped = collect(args.runs, args.out)
+    if not runs:
+        reasons = "".join(f"\n  {p}: {why}" for p, why in skipped)
+        raise SystemExit(
+            "report: error: no finished runs (folders with config.yaml and metrics.csv) under "
+            + ", ".join(map(str, args.runs))
+            + reasons
+        )
+    rows, groups = summarise(runs)
+    lra = args.lra_table == "on" or (
+        args.lra_table == "auto" and any(r["task"] in LRA_CONFIGS for r in rows)
+    )
+    missing = not_run_rows(rows) if lra else []
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows + missing, out / "report.csv")
+    (out / "report.md").write_text(markdown(rows, missing, groups, skipped, lra), encoding="utf-8")
+    plot_accuracy_time(rows, out / "report.png")
+    plot_validation(rows, groups, out / "curves.png")
+    written = ["report.md", "report.csv", "report.png", "curves.png"]
+    if plot_telemetry(rows, groups, out / "telemetry.png"):
+        written.append("telemetry.png")
+    print((out / "report.md").read_text())
+    print("Wrote " + ", ".join(str(out / name) for name in written))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ Each grid point is one ``python -m macformer_lit <command> ...`` subprocess, so 
 run is reported and the others go on. A point that finished is not run again; an
 interrupted ``fit`` resumes from its ``last.ckpt`` (``--ckpt_path last``). Afterwards the
 sweep writes ``results.md`` and ``results.csv`` (final and best validation loss, PPL and
-BLEU, test BLEU, time, peak memory, throughput per run) and ``curves.png`` (the metrics
-per epoch, one line per run, the line style set by one axis: the Macformer paper's Fig. 3
-draws the baseline dashed and ppSBN solid).
+BLEU, test BLEU, time, peak memory, throughput per run), ``results_mean.*`` (mean ± sample
+standard deviation, n-1, over the seed axes) and ``curves.png`` (the metrics per epoch: one
+colour per method, i.e. per value of the axes other than the seed axes, its mean over
+seeds as a line and their min–max as a band; labels of ``plot.dashed`` on the style axis
+are drawn dashed, as the Macformer paper's Fig. 3 draws the baseline).
 
 Sweep file (YAML)::
 
@@ -28,7 +30,8 @@ Sweep file (YAML)::
       dashed: [baseline]              # its labels drawn dashed; the others solid
       metrics: [val/loss, val/ppl, val/bleu]
     report:
-      average_over: [seed]            # also a table of means over these axes
+      average_over: [seed]            # the seed axes: a table of means over them, and the
+                                      # plot's bands (default: the axes named *seed*)
 
 Every run lands in ``<runs_dir>/<name>/<axis>=<label>,.../version_<n>/``. Config paths are
 looked up as given, then beside the sweep file and in its parent folder (so
@@ -50,6 +53,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from macformer_lit.plotting import colours_for, plot_bands, pyplot
 
 FILE_KEYS = {"name", "command", "config", "args", "axes", "plot", "report"}
 STATUS_FILE = "sweep_status.json"
@@ -361,7 +367,9 @@ def fmt(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def write_tables(table: list[dict[str, Any]], out_dir: Path, stem: str) -> tuple[Path, Path]:
+def write_tables(
+    table: list[dict[str, Any]], out_dir: Path, stem: str, note: str = ""
+) -> tuple[Path, Path]:
     cols = columns_of(table)
     csv_path, md_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.md"
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
@@ -384,6 +392,8 @@ def write_tables(table: list[dict[str, Any]], out_dir: Path, stem: str) -> tuple
     header = [c[:-5] if c.endswith("_mean") else c for c in md_cols]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(md_cols)]
     lines += ["| " + " | ".join(cell(row, c) for c in md_cols) + " |" for row in table]
+    if note:
+        lines += ["", note]
     failed = [row for row in table if row.get("error")]
     if failed:
         lines += ["", "Failed runs:", ""]
@@ -393,7 +403,8 @@ def write_tables(table: list[dict[str, Any]], out_dir: Path, stem: str) -> tuple
 
 
 def averaged(table: list[dict[str, Any]], axes: list[str], over: list[str]) -> list[dict[str, Any]]:
-    """Mean and standard deviation of numeric columns over the ``over`` axes."""
+    """Mean and sample standard deviation (n-1; None for one run) of numeric columns over
+    the ``over`` axes."""
     keep = [a for a in axes if a not in over]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in table:
@@ -407,47 +418,55 @@ def averaged(table: list[dict[str, Any]], axes: list[str], over: list[str]) -> l
                 r[col] for r in rows if isinstance(r.get(col), (int, float)) and col not in keep
             ]
             if values and len(values) == len(rows) and col != "epochs":
-                mean = sum(values) / len(values)
-                agg[f"{col}_mean"] = mean
-                agg[f"{col}_std"] = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+                agg[f"{col}_mean"] = statistics.fmean(values)
+                agg[f"{col}_std"] = statistics.stdev(values) if len(values) > 1 else None
         out.append(agg)
     return out
+
+
+def seed_axes(spec: dict[str, Any]) -> list[str]:
+    """The axes a method is averaged over: ``report.average_over``, else those named *seed*."""
+    return spec["report"]["average_over"] or [a for a in spec["axes"] if "seed" in a.lower()]
+
+
+def method_of(spec: dict[str, Any], point: dict[str, str]) -> str:
+    """A point's method: its labels on the axes other than the seed axes."""
+    over = seed_axes(spec)
+    return point_name({a: v for a, v in point.items() if a not in over}) or "all runs"
+
+
+def method_curves(
+    spec: dict[str, Any], points: list[dict[str, str]], statuses: list[dict | None], key: str
+) -> dict[str, list[list[tuple[float, float]]]]:
+    """Per method, in grid order, each of its runs' ``(epoch, value)`` points of ``key``."""
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    for point, status in zip(points, statuses):
+        rows = read_metrics((status or {}).get("run_dir"))
+        run = [(float(e + 1), v) for e, v in series(rows, key)]
+        curves.setdefault(method_of(spec, point), []).append(run)
+    return curves
 
 
 def plot_curves(
     spec: dict[str, Any], points: list[dict[str, str]], statuses: list[dict | None], path: Path
 ) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     metrics = spec["plot"]["metrics"]
     style_axis, dashed = spec["plot"]["style_axis"], set(spec["plot"]["dashed"])
+    over = seed_axes(spec)
+    methods = list(dict.fromkeys(method_of(spec, p) for p in points))
+    colours = colours_for(methods)
+    styles = {
+        method_of(spec, p): "--" if style_axis not in over and p[style_axis] in dashed else "-"
+        for p in points
+    }
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
-    groups: list[str] = []
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for point, status in zip(points, statuses):
-        rows = read_metrics((status or {}).get("run_dir"))
-        group = point_name({a: v for a, v in point.items() if a != style_axis}) or "run"
-        if group not in groups:
-            groups.append(group)
-        colour = colours[groups.index(group) % len(colours)]
-        style = "--" if point[style_axis] in dashed else "-"
-        for ax, key in zip(axes[0], metrics):
-            s = series(rows, key)
-            if s:
-                ax.plot(
-                    [e + 1 for e, _ in s],
-                    [v for _, v in s],
-                    linestyle=style,
-                    color=colour,
-                    marker="o",
-                    markersize=3,
-                    label=point_name(point),
-                )
     for ax, key in zip(axes[0], metrics):
+        plot_bands(
+            ax, method_curves(spec, points, statuses, key), colours=colours, linestyles=styles
+        )
         ax.set_title(METRIC_TITLES.get(key, key))
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
@@ -462,11 +481,12 @@ def plot_curves(
             handles, labels = ax.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
-    fig.suptitle(
-        f"{spec['name']}: {style_axis} {', '.join(sorted(dashed))} dashed"
-        if dashed
-        else spec["name"]
-    )
+    title = spec["name"]
+    if over:
+        title += f": mean over {', '.join(over)} (line), min–max (band)"
+    if dashed and style_axis not in over:
+        title += f"; {style_axis} {', '.join(sorted(dashed))} dashed"
+    fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(labels) - 1) // 4) if handles else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -484,7 +504,11 @@ def report(spec: dict[str, Any], runs_dir: Path) -> dict[str, Path]:
     over = spec["report"]["average_over"]
     if over:
         outputs["mean_markdown"], outputs["mean_csv"] = write_tables(
-            averaged(table, list(spec["axes"]), over), out_dir, "results_mean"
+            averaged(table, list(spec["axes"]), over),
+            out_dir,
+            "results_mean",
+            note=f"m ± s: mean and sample standard deviation (n−1) over the finished runs of "
+            f"each row (runs), averaged over {', '.join(over)}; one run: no ±.",
         )
     outputs["plot"] = plot_curves(spec, points, statuses, out_dir / "curves.png")
     return outputs

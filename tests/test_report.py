@@ -1,61 +1,259 @@
+"""``report`` on real CLI runs: tiny ListOps fits of softmax (two seeds, and one with another
+tokenizer), RMFA-exp + ppSBN, an unfinished fit, and folders that are not runs."""
+
 import csv
+import math
+import shutil
+import statistics
 
 import pytest
 
+from macformer_lit import cli
+from macformer_lit.plotting import colours_for, plot_bands, pyplot
 from macformer_lit.report import backend_label, main
 
+PNG = b"\x89PNG\r\n\x1a\n"
 
-def fake_run(
-    folder,
-    *,
-    data="macformer_lit.data.listops.ListOpsDataModule",
-    attention=None,
-    seed=1,
-    acc=0.5,
-    time=10.0,
-    rss=1000.0,
-):
-    folder.mkdir(parents=True)
-    att = attention or {"name": "softmax"}
-    att_yaml = "\n".join(f"      {k}: {v}" for k, v in att.items())
-    (folder / "config.yaml").write_text(
-        f"seed_everything: {seed}\nmodel:\n  class_path: macformer_lit.tasks.LitClassifier\n"
-        f"  init_args:\n    attention:\n{att_yaml}\ndata:\n  class_path: {data}\n"
+
+def fit(root, experiment, seed, *extra):
+    """One tiny ListOps fit through the real CLI: 4 steps, validation every 2, telemetry
+    every step, trees of 20-120 tokens generated once into ``root/data``."""
+    cli.main(
+        [
+            "fit",
+            "--config",
+            "lra_listops.yaml",
+            *extra,
+            "--trainer.max_steps",
+            "4",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--data.train_size",
+            "64",
+            "--data.val_size",
+            "16",
+            "--data.test_size",
+            "16",
+            "--data.batch_size",
+            "16",
+            "--data.max_len",
+            "128",
+            "--data.generate_min_length",
+            "20",
+            "--data.generate_max_length",
+            "120",
+            "--data.generate_processes",
+            "1",
+            "--data.data_dir",
+            str(root / "data"),
+            "--runs_dir",
+            str(root / "runs"),
+            "--experiment",
+            experiment,
+            "--wandb_mode",
+            "disabled",
+            "--seed_everything",
+            str(seed),
+            "--telemetry.every_n_steps",
+            "1",
+        ]
     )
-    with open(folder / "metrics.csv", "w", newline="") as f:
-        w = csv.DictWriter(
-            f, fieldnames=["epoch", "step", "train/time_sec", "train/peak_rss_mb", "test/acc"]
-        )
-        w.writeheader()
-        w.writerow({"epoch": 0, "step": 10, "train/time_sec": time / 2, "train/peak_rss_mb": rss})
-        w.writerow({"epoch": 1, "step": 20, "train/time_sec": time, "train/peak_rss_mb": rss / 2})
-        w.writerow({"epoch": 1, "step": 20, "test/acc": acc})
+    return root / "runs" / experiment / "version_0"
 
 
-def test_report_normalises_to_softmax_and_averages_seeds(tmp_path):
-    fake_run(tmp_path / "runs/a/version_0", acc=0.30, time=100.0, rss=2000.0)
-    rmfa = {"name": "rmfa", "kernel": "exp", "pre_sbn": True, "post_sbn": True}
-    fake_run(tmp_path / "runs/b/version_0", attention=rmfa, seed=1, acc=0.36, time=25.0, rss=500.0)
-    fake_run(tmp_path / "runs/b/version_1", attention=rmfa, seed=2, acc=0.40, time=35.0, rss=700.0)
-    main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
-    rows = {r["backend"]: r for r in csv.DictReader(open(tmp_path / "out/report.csv"))}
-    assert set(rows) == {"softmax", "rmfa[exp]+ppSBN"}
-    r = rows["rmfa[exp]+ppSBN"]
-    assert float(r["time_rel"]) == pytest.approx(30.0 / 100.0)
-    assert float(r["mem_rel"]) == pytest.approx(600.0 / 2000.0)
-    assert float(r["test_acc"]) == pytest.approx(38.0)
-    assert float(r["test_acc_std"]) == pytest.approx(2.8284, abs=1e-3)
-    assert float(rows["softmax"]["time_rel"]) == 1.0
-    md = (tmp_path / "out/report.md").read_text()
-    assert "| ListOps | rmfa[exp]+ppSBN | 2 | 38.00 ± 2.83 | 0.30 | 0.30 (RSS) |" in md
-    assert (tmp_path / "out/report.png").stat().st_size > 0
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    made = {
+        "softmax1": fit(root, "softmax1", 1),
+        "softmax2": fit(root, "softmax2", 2),
+        "rmfa": fit(root, "rmfa", 1, "--config", "attention/rmfa_exp.yaml"),
+        "skyformer": fit(root, "skyformer", 1, "--data.tokenizer", "skyformer"),
+        "unfinished": fit(root, "unfinished", 3, "--test_after_fit", "false"),
+    }
+    # A second copy of seed 1's run (a rerun into another folder): it must count once.
+    made["rerun"] = root / "runs" / "rerun"
+    shutil.copytree(made["softmax1"], made["rerun"])
+    # A fit whose config asked for more steps than it ran, yet logged a test accuracy.
+    made["stopped"] = root / "runs" / "stopped"
+    shutil.copytree(made["rmfa"], made["stopped"])
+    config = made["stopped"] / "config.yaml"
+    assert "  max_steps: 4\n" in config.read_text()
+    config.write_text(config.read_text().replace("  max_steps: 4\n", "  max_steps: 8\n"))
+    (root / "runs" / "junk").mkdir()
+    (root / "runs" / "junk" / "notes.txt").write_text("not a run\n")
+    (root / "runs" / "broken").mkdir()
+    (root / "runs" / "broken" / "config.yaml").write_text("model: [unclosed\n")
+    (root / "runs" / "broken" / "metrics.csv").write_text("step,test/acc\n0,0.5\n")
+    out = root / "out"
+    cli.main(["report", str(root / "runs"), "--out", str(out)])
+    return made, out
+
+
+def logged(run_dir, key):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+
+
+def last_nmse(run_dir, quantity):
+    """Mean over layers of each layer's last logged telemetry value."""
+    return statistics.fmean(logged(run_dir, f"telemetry/layer{i}/{quantity}")[-1] for i in (0, 1))
+
+
+def report_rows(out):
+    with open(out / "report.csv", newline="") as f:
+        return {(r["backend"], r["setting"], r["task"]): r for r in csv.DictReader(f)}
+
+
+def test_table_numbers_come_from_the_runs_metrics(runs):
+    made, out = runs
+    rows = report_rows(out)
+    soft = rows[("softmax", "data.tokenizer=official", "ListOps")]
+    rmfa = rows[("rmfa[exp]+ppSBN", "data.tokenizer=official", "ListOps")]
+    seeds = [made["softmax1"], made["softmax2"]]
+    acc = [100 * logged(d, "test/acc")[-1] for d in seeds]
+    # Two seeds of different accuracy, so that a population std would not pass for a sample one.
+    assert acc[0] != acc[1]
+    assert soft["seeds"] == "2" and sorted(soft["seed_values"].split(";")) == ["1", "2"]
+    assert float(soft["test_acc"]) == pytest.approx(statistics.fmean(acc))
+    assert float(soft["test_acc_std"]) == pytest.approx(abs(acc[0] - acc[1]) / math.sqrt(2))
+    soft_time = statistics.fmean(max(logged(d, "train/time_sec")) for d in seeds)
+    soft_mem = statistics.fmean(max(logged(d, "train/peak_rss_mb")) for d in seeds)
+    assert float(soft["time_sec"]) == pytest.approx(soft_time)
+    assert float(soft["time_rel"]) == 1.0
+    rmfa_time = max(logged(made["rmfa"], "train/time_sec"))
+    assert rmfa["seeds"] == "1" and rmfa["test_acc_std"] == ""
+    assert float(rmfa["test_acc"]) == pytest.approx(100 * logged(made["rmfa"], "test/acc")[-1])
+    assert float(rmfa["time_rel"]) == pytest.approx(rmfa_time / soft_time)
+    assert float(rmfa["softmax_time_sec"]) == pytest.approx(soft_time)
+    rmfa_mem = max(logged(made["rmfa"], "train/peak_rss_mb"))
+    assert float(rmfa["mem_rel"]) == pytest.approx(rmfa_mem / soft_mem)
+    assert rmfa["device"] == "CPU" and rmfa["mem_kind"] == "RSS"
+    nmse = statistics.fmean(last_nmse(d, "nmse") for d in seeds)
+    assert float(soft["nmse"]) == pytest.approx(nmse)
+    assert float(rmfa["nmse"]) == pytest.approx(last_nmse(made["rmfa"], "nmse"))
+    assert float(rmfa["nmse_uniform"]) == pytest.approx(last_nmse(made["rmfa"], "nmse_uniform"))
+    # Exact softmax is exact up to rounding; RMFA's random features are not.
+    assert float(soft["nmse"]) < 1e-8 < float(rmfa["nmse"])
+    md = (out / "report.md").read_text()
+    std = statistics.stdev(acc)
+    assert (
+        f"| ListOps | softmax | data.tokenizer=official | 2 | {statistics.fmean(acc):.2f} ± "
+        f"{std:.2f} | 1.00 ({soft_time:.3g} s) | 1.00 ({soft_mem:.0f} MB RSS) | CPU "
+        f"| {nmse:.2e} | {float(soft['nmse_uniform']):.2e} |"
+    ) in md
+    assert (
+        f"| ListOps | rmfa[exp]+ppSBN | data.tokenizer=official | 1 | {float(rmfa['test_acc']):.2f}"
+        f" | {rmfa_time / soft_time:.2f} | {rmfa_mem / soft_mem:.2f} (RSS) | CPU |"
+    ) in md
+    assert "mean ± sample standard deviation (n−1)" in md
+
+
+def test_other_data_settings_form_their_own_row(runs):
+    made, out = runs
+    rows = report_rows(out)
+    sky = rows[("softmax", "data.tokenizer=skyformer", "ListOps")]
+    assert sky["seeds"] == "1" and sky["runs"] == str(made["skyformer"])
+    assert float(sky["test_acc"]) == pytest.approx(100 * logged(made["skyformer"], "test/acc")[-1])
+    # Its own softmax reference, not the official-tokenizer runs'.
+    assert float(sky["time_rel"]) == 1.0
+    counted = [r for r in rows.values() if r["status"] == "run"]
+    assert sorted(r["seeds"] for r in counted) == ["1", "1", "2"]
+
+
+def test_unfinished_duplicate_and_junk_folders_are_listed_as_skipped(runs):
+    made, out = runs
+    md = (out / "report.md").read_text()
+    skipped = md.split("## Skipped", 1)[1]
+    runs_dir = made["softmax1"].parents[1]
+    expected = {
+        made["unfinished"]: "no test/acc in metrics.csv (an interrupted fit",
+        made["stopped"]: "training stopped before its limit: tested at step 4 of "
+        "trainer.max_steps 8",
+        runs_dir / "junk": "not a run: no config.yaml or metrics.csv in it or below",
+        runs_dir / "broken": "config.yaml is not valid YAML",
+        # Same group and seed: the later folder in path order (softmax1/version_0) is kept.
+        made["rerun"]: f"same seed as {made['softmax1']}, which is counted instead",
+    }
+    for path, reason in expected.items():
+        assert f"- `{path}`: {reason}" in skipped
+    assert skipped.count("\n- ") == len(expected)
+    rows = report_rows(out)
+    soft = rows[("softmax", "data.tokenizer=official", "ListOps")]
+    assert soft["runs"].split(";") == [str(made["softmax1"]), str(made["softmax2"])]
+
+
+def test_lra_reference_block_and_tasks_not_run(runs, tmp_path):
+    made, out = runs
+    md = (out / "report.md").read_text()
+    for line in (
+        "| Macformer paper | Transformer (softmax) | 37.30 |",
+        "| Macformer paper | Macformer_exp (RMFA exp + ppSBN) | 38.36 |",
+        "| SchoenbAt paper | SchoenbAt | 38.21 |",
+        "| LRA paper | Transformer (softmax) | 36.37 |",
+        "| xformers | Transformer, 2 layers, softmax | 37.50 |",
+        "| ours | rmfa[exp]+ppSBN (trees 20–120 tokens, 1 seed) |",
+    ):
+        assert line in md
+    rows = list(csv.DictReader(open(out / "report.csv", newline="")))
+    not_run = {r["task"]: r for r in rows if r["status"] == "not run"}
+    assert list(not_run) == ["Text", "Retrieval", "Image", "Pathfinder"]
+    assert not_run["Image"]["command"] == "python -m macformer_lit fit --config lra_image.yaml"
+    assert not_run["Text"]["macformer_command"] == (
+        "python -m macformer_lit fit --config lra_text.yaml --config attention/rmfa_exp.yaml"
+    )
+    assert "| Pathfinder | – | not run: `python -m macformer_lit fit --config lra_pathfinder" in md
+    main([str(made["rmfa"]), "--out", str(tmp_path), "--lra_table", "off"])
+    md = (tmp_path / "report.md").read_text()
+    assert "not run" not in md and "Macformer paper" not in md
+    assert "None." in md.split("## Skipped", 1)[1]
+
+
+def test_plots_are_written(runs):
+    _, out = runs
+    for name in ("report.png", "curves.png", "telemetry.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 10_000, name
+
+
+def test_bands_draw_the_mean_and_the_min_max_over_runs():
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    curves = {
+        "a": [[(0, 1.0), (2, 3.0)], [(0, 3.0), (2, 5.0)], [(0, 2.0)]],
+        "b": [[(0, 10.0), (2, 10.0)]],
+    }
+    colours = colours_for(["a", "b"])
+    plot_bands(ax, curves, colours=colours, linestyles={"b": "--"})
+    a, b = ax.lines
+    assert list(a.get_xdata()) == [0, 2] and list(a.get_ydata()) == [2.0, 4.0]
+    assert a.get_label() == "a (n=3)" and a.get_color() == colours["a"]
+    assert b.get_linestyle() == "--" and b.get_color() == colours["b"] != colours["a"]
+    # One band, for the label with several runs: it spans their min and max at each x.
+    (band,) = ax.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert min(ys) == 1.0 and max(ys) == 5.0
+    plt.close(fig)
 
 
 def test_report_without_runs_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no finished runs"):
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(SystemExit, match="no finished runs") as err:
         main([str(tmp_path)])
+    assert "not a run: no config.yaml or metrics.csv" in str(err.value.code)
 
 
 def test_backend_labels():
     assert backend_label(None) == "softmax"
     assert backend_label({"name": "favor", "pre_sbn": True}) == "favor+preSBN"
+    assert backend_label({"name": "rmfa", "kernel": "exp", "pre_sbn": 1, "post_sbn": 1}) == (
+        "rmfa[exp]+ppSBN"
+    )

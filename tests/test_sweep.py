@@ -125,7 +125,13 @@ def test_malformed_sweep_files(tmp_path, bad, match, capsys):
 def test_tables_average_over_seeds(tmp_path):
     table = [
         {"run": f"a={a},seed={s}", "a": a, "seed": s, "status": "done", "val_bleu_best": b}
-        for a, s, b in (("x", "0", 10.0), ("x", "1", 14.0), ("y", "0", 20.0), ("y", "1", 20.0))
+        for a, s, b in (
+            ("x", "0", 10.0),
+            ("x", "1", 14.0),
+            ("y", "0", 20.0),
+            ("y", "1", 20.0),
+            ("z", "0", 7.0),
+        )
     ]
     table.append(
         {
@@ -138,20 +144,27 @@ def test_tables_average_over_seeds(tmp_path):
         }
     )
     means = sweep.averaged(table, ["a", "seed"], ["seed"])
+    # Sample standard deviation (n-1): 10 and 14 give 2√2, not the population's 2; one run
+    # has none.
     assert means == [
-        {"a": "x", "runs": 2, "val_bleu_best_mean": 12.0, "val_bleu_best_std": 2.0},
+        {"a": "x", "runs": 2, "val_bleu_best_mean": 12.0, "val_bleu_best_std": 8**0.5},
         {"a": "y", "runs": 2, "val_bleu_best_mean": 20.0, "val_bleu_best_std": 0.0},
+        {"a": "z", "runs": 1, "val_bleu_best_mean": 7.0, "val_bleu_best_std": None},
     ]
-    md, _ = sweep.write_tables(means, tmp_path, "mean")
-    assert (
-        "| a | runs | val_bleu_best |" in md.read_text() and "| x | 2 | 12 ± 2 |" in md.read_text()
-    )
+    md, _ = sweep.write_tables(means, tmp_path, "mean", note="± is the sample std")
+    text = md.read_text()
+    assert "| a | runs | val_bleu_best |" in text and "| x | 2 | 12 ± 2.8 |" in text
+    assert "| y | 2 | 20 ± 0 |" in text and "| z | 1 | 7 |" in text
+    assert text.endswith("\n± is the sample std\n")
     md, csv_path = sweep.write_tables(table, tmp_path, "all")
     assert "- `a=y,seed=2`: ValueError: boom" in md.read_text()
     assert next(csv.DictReader(open(csv_path)))["val_bleu_best"] == "10.0"
 
 
-def test_two_point_grid_end_to_end(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    """A finished two-point sweep of real CLI runs: (sweep file, argv, its output folder)."""
+    tmp_path = tmp_path_factory.mktemp("sweep")
     path = write_sweep(
         tmp_path / "tiny.yaml",
         name="tiny",
@@ -162,7 +175,11 @@ def test_two_point_grid_end_to_end(tmp_path, capsys):
     )
     argv = [str(path), "--runs_dir", str(tmp_path / "runs"), "--wandb_mode", "disabled"]
     assert sweep.main(argv) == 0
-    out_dir = tmp_path / "runs" / "tiny"
+    return path, argv, tmp_path / "runs" / "tiny"
+
+
+def test_two_point_grid_end_to_end(tiny_sweep, capsys):
+    _, argv, out_dir = tiny_sweep
     rows = list(csv.DictReader(open(out_dir / "results.csv")))
     assert [r["run"] for r in rows] == ["ppsbn=baseline", "ppsbn=variant"]
     for row in rows:
@@ -193,6 +210,50 @@ def test_two_point_grid_end_to_end(tmp_path, capsys):
     assert sorted(p.name for p in (out_dir / "ppsbn=baseline").iterdir() if p.is_dir()) == [
         "version_0"
     ]
+
+
+def test_curves_colour_each_method_with_a_band_over_seeds(tiny_sweep, tmp_path, monkeypatch):
+    """Two methods x two seeds, their runs the sweep's real ones: method a's seeds are the
+    baseline and the variant run, method b's the variant run twice."""
+    _, _, out_dir = tiny_sweep
+    spec = sweep.load_sweep(
+        write_sweep(
+            tmp_path / "methods.yaml",
+            name="methods",
+            config=str(REPO / "configs" / "translation_synthetic.yaml"),
+            axes={"att": {"a": {}, "b": {}}, "seed": {"1": {}, "2": {}}},
+            plot={"style_axis": "att", "dashed": ["a"], "metrics": ["val/loss", "val/bleu"]},
+        )
+    )
+    points = sweep.grid(spec)
+    runs = {
+        r: sweep.read_status(out_dir / f"ppsbn={r}")["run_dir"] for r in ("baseline", "variant")
+    }
+    statuses = [{"run_dir": runs[r]} for r in ("baseline", "variant", "variant", "variant")]
+    curves = sweep.method_curves(spec, points, statuses, "val/loss")
+    loss = {
+        r: [(e + 1.0, v) for e, v in sweep.series(sweep.read_metrics(d), "val/loss")]
+        for r, d in runs.items()
+    }
+    assert curves == {
+        "att=a": [loss["baseline"], loss["variant"]],
+        "att=b": [loss["variant"], loss["variant"]],
+    }
+    assert loss["baseline"] != loss["variant"] and len(loss["baseline"]) == 2
+    drawn = []
+
+    def record(ax, curves, **kwargs):
+        drawn.append((curves, kwargs))
+        sweep_plot_bands(ax, curves, **kwargs)
+
+    sweep_plot_bands = sweep.plot_bands
+    monkeypatch.setattr(sweep, "plot_bands", record)
+    png = sweep.plot_curves(spec, points, statuses, tmp_path / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    assert [list(c) for c, _ in drawn] == [["att=a", "att=b"]] * 2
+    colours, styles = drawn[0][1]["colours"], drawn[0][1]["linestyles"]
+    assert colours["att=a"] != colours["att=b"] and drawn[1][1]["colours"] == colours
+    assert styles == {"att=a": "--", "att=b": "-"}
 
 
 def test_a_failed_run_is_reported_not_fatal(tmp_path):

@@ -7,4 +7,10 @@ from .nan_guard import NaNGuard
 from .redraw import FeatureRedraw
 from .telemetry import AttentionTelemetry
 
-__all__ = ["AttentionTelemetry", "FeatureRedraw", "NaNGuard", "ReleaseHostMemory", "ThroughputMemoryMonitor"]
+__all__ = [
+    "AttentionTelemetry",
+    "FeatureRedraw",
+    "NaNGuard",
+    "ReleaseHostMemory",
+    "ThroughputMemoryMonitor",
+]

@@ -313,7 +313,9 @@ class ListOpsDataModule(SequenceDataModule):
             default.max_length,
         )
         folder = (
-            "listops-1000" if lra_lengths else f"listops-{generate_min_length}-{generate_max_length}"
+            "listops-1000"
+            if lra_lengths
+            else f"listops-{generate_min_length}-{generate_max_length}"
         )
         self.directory = self.data_dir / folder
         self.paths = {split: self.directory / f"basic_{split}.tsv" for split in SPLITS}

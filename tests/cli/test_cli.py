@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
-from macformer_lit.cli import CONFIG_DIR, MacformerCLI, main, resolve_config, resolve_config_args
+from macformer_lit.cli import (
+    CONFIG_DIR,
+    ConfigNotFound,
+    MacformerCLI,
+    main,
+    resolve_config,
+    resolve_config_args,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TOP_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
@@ -48,6 +55,13 @@ def test_bare_config_name_resolves_to_shipped_folder(tmp_path, monkeypatch):
     # A file in the current directory wins over the shipped one.
     (tmp_path / "lra_listops.yaml").write_text("seed_everything: 1\n")
     assert resolve_config("lra_listops.yaml") == "lra_listops.yaml"
+
+
+def test_renamed_config_says_what_to_write_instead():
+    with pytest.raises(ConfigNotFound) as err:
+        resolve_config("lra_listops_cpu.yaml")
+    assert "'lra_listops_cpu.yaml' was renamed: use listops_short_cpu.yaml" in str(err.value.code)
+    assert Path(resolve_config("listops_short_cpu.yaml")).is_file()
 
 
 def test_unknown_config_name_lists_shipped_ones():

@@ -116,7 +116,7 @@ def test_even_eval_batches_cannot_even_out_batches_of_one():
 
 
 def test_padded_length_rounds_up_and_stops_at_the_cap():
-    from macformer_lit.data.common import padded_length, pad_sequences
+    from macformer_lit.data.common import pad_sequences, padded_length
 
     assert [padded_length(n, 64) for n in (1, 63, 64, 65, 128)] == [64, 64, 64, 128, 128]
     assert [padded_length(n, 64, cap=100) for n in (1, 65, 99, 100)] == [64, 100, 100, 100]

@@ -426,3 +426,30 @@ def test_bucketed_batches_hold_neighbouring_lengths(tmp_path):
         assert inside == ((lengths > lo) & (lengths < hi)).sum()
         assert batch["input_ids"].shape[1] == min(-(-int(hi) // 64) * 64, 2000)
     assert seen == 96
+
+
+def test_length_flags_make_another_task_in_its_own_folder(tmp_path):
+    # LRA's --min_length/--max_length flags: trees with min < length < max, generated into
+    # listops-<min>-<max>/ so that they never mix with LRA's listops-1000/.
+    full = _dm(tmp_path, train_size=8, val_size=4, test_size=4)
+    full.prepare_data()
+    before = (tmp_path / "listops-1000" / "basic_train.tsv").read_bytes()
+    short = _dm(
+        tmp_path,
+        train_size=64,
+        val_size=4,
+        test_size=4,
+        generate_min_length=50,
+        generate_max_length=300,
+        max_len=300,
+    )
+    assert short.directory == tmp_path / "listops-50-300"
+    short.prepare_data()
+    short.setup("fit")
+    lengths = np.array(short.datasets["train"].lengths())
+    assert len(lengths) == 64 and lengths.min() > 50 and lengths.max() < 300
+    manifest = json.loads((tmp_path / "listops-50-300" / MANIFEST_NAME).read_text())
+    assert (manifest["params"]["min_length"], manifest["params"]["max_length"]) == (50, 300)
+    assert (tmp_path / "listops-1000" / "basic_train.tsv").read_bytes() == before
+    with pytest.raises(ValueError, match="generate_max_length must exceed"):
+        _dm(tmp_path, generate_min_length=300, generate_max_length=300)
