@@ -17,6 +17,13 @@ On the first non-finite training loss or gradient it writes, under
 ``action: skip`` drops the gradients so the optimiser step changes nothing, logs
 ``train/skipped_steps``, and goes on (forensics are written for the first
 ``max_reports`` bad steps only).
+
+Under a dynamic loss scale (``16-mixed``: a ``GradScaler`` in the precision plugin), inf or
+NaN gradients with a finite loss are the scaler's ordinary overflow: it skips that step and
+halves its scale, so the guard lets it (and logs ``train/overflow_steps`` and
+``train/loss_scale``). It still acts on a non-finite loss, and on a scale that has collapsed
+below ``min_loss_scale`` (1, DeepSpeed's default floor): gradients that overflow float16 even
+unscaled, which more halving cannot cure.
 """
 
 from __future__ import annotations
@@ -31,15 +38,26 @@ import torch
 
 
 class NaNGuard(L.Callback):
-    def __init__(self, *, action: Literal["stop", "skip"] = "stop", max_reports: int = 3) -> None:
+    def __init__(
+        self,
+        *,
+        action: Literal["stop", "skip"] = "stop",
+        max_reports: int = 3,
+        min_loss_scale: float = 1.0,
+    ) -> None:
         if action not in ("stop", "skip"):
             raise ValueError(f"NaNGuard action must be 'stop' or 'skip'; got {action!r}")
+        if not min_loss_scale > 0:
+            raise ValueError(f"NaNGuard min_loss_scale must be > 0; got {min_loss_scale}")
         self.action = action
         self.max_reports = max_reports
+        self.min_loss_scale = min_loss_scale
         self.skipped = 0
+        self.overflows = 0
         self.reports = 0
         self._batch = None
         self._loss_bad = False
+        self._collapsed: float | None = None
         self._stats: dict[str, dict[str, float]] = {}
         self._handles: list = []
         self._inputs: dict[str, tuple] = {}
@@ -97,11 +115,28 @@ class NaNGuard(L.Callback):
         bad_grads = [n for n, g in grads.items() if not torch.isfinite(g).all()]
         if not (self._loss_bad or bad_grads):
             return
+        scaler = _live_scaler(trainer)
+        if scaler is not None and not self._loss_bad:
+            # The scaler saw the same inf/NaN when it unscaled: it will skip this step and
+            # lower its scale. A failure only once the scale is past saving.
+            scale = float(scaler.get_scale())
+            self.overflows += 1
+            pl_module.log("train/overflow_steps", float(self.overflows), on_step=True)
+            pl_module.log("train/loss_scale", scale, on_step=True)
+            if scale >= self.min_loss_scale:
+                return
+            self._collapsed = scale
         folder = None
         if self.reports < self.max_reports:
             folder = self._write(trainer, pl_module, grads, bad_grads)
             self.reports += 1
         what = "loss" if self._loss_bad else f"gradients of {len(bad_grads)} parameter(s)"
+        if self._collapsed is not None:
+            what += (
+                f" with the loss scale collapsed to {self._collapsed:g} (below min_loss_scale "
+                f"{self.min_loss_scale:g}: float16 keeps overflowing; try bf16-mixed)"
+            )
+            self._collapsed = None
         if self.action == "stop":
             trainer.should_stop = True
             raise FloatingPointError(
@@ -160,7 +195,14 @@ class NaNGuard(L.Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def state_dict(self) -> dict:
-        return {"skipped": self.skipped}
+        return {"skipped": self.skipped, "overflows": self.overflows}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.skipped = int(state_dict.get("skipped", 0))
+        self.overflows = int(state_dict.get("overflows", 0))
+
+
+def _live_scaler(trainer):
+    """The precision plugin's enabled ``GradScaler`` (``16-mixed``), else None."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
