@@ -45,11 +45,17 @@ from macformer_lit.callbacks import (  # noqa: E402
     ThroughputMemoryMonitor,
 )
 from macformer_lit.callbacks.distributed import RNGStateCheckpoint  # noqa: E402
+from macformer_lit.callbacks.predictions import PredictionWriter  # noqa: E402
 from macformer_lit.callbacks.preemption import (  # noqa: E402
-    AtomicCheckpointIO,
     LatestCheckpoint,
     MetricsRowsCheckpoint,
     SaveOnSigterm,
+)
+from macformer_lit.checkpoints import (  # noqa: E402
+    SafeCheckpointIO,
+    check_fits,
+    load_checkpoint,
+    resolve_ckpt_path,
 )
 from macformer_lit.loggers import AutoWandbLogger, Mode, RunCSVLogger  # noqa: E402
 
@@ -151,16 +157,6 @@ def next_version(exp_dir: Path) -> int:
     return max(versions, default=-1) + 1
 
 
-def latest_resumable(exp_dir: Path) -> Path | None:
-    """The newest ``version_<n>`` folder that holds ``checkpoints/last.ckpt``."""
-    found = [
-        (int(p.parent.parent.name.split("_")[1]), p.parent.parent)
-        for p in exp_dir.glob("version_*/checkpoints/last.ckpt")
-        if re.fullmatch(r"version_\d+", p.parent.parent.name)
-    ]
-    return max(found)[1] if found else None
-
-
 class SaveRunConfig(SaveConfigCallback):
     """``config.yaml`` in the run folder, and the same resolved config in the W&B run."""
 
@@ -232,6 +228,11 @@ class MacformerCLI(LightningCLI):
         parser.add_argument("--wandb_mode", type=Mode, default="auto", help="W&B mode.")
         parser.add_argument("--wandb_project", type=str, default="macformer_lit")
 
+    def _parse_ckpt_path(self) -> None:
+        """Never load a checkpoint's hyper-parameters over the command line (LightningCLI's
+        default): the model is built as asked, and ``checkpoints.check_fits`` refuses a
+        checkpoint that contradicts it."""
+
     # ---- run folder -------------------------------------------------------------------
     def _cfg(self, config):
         return config[self.subcommand] if self.subcommand else config
@@ -245,8 +246,28 @@ class MacformerCLI(LightningCLI):
         # unpickling arbitrary objects unless the user asks otherwise (--weights_only false).
         if "weights_only" in cfg and cfg.get("weights_only") is None:
             cfg.weights_only = True
-        if self.subcommand == "fit" and cfg.get("ckpt_path") == "last":
-            found = latest_resumable(exp_dir)
+        self._checkpoint = None
+        asked = cfg.get("ckpt_path")
+        resolved = resolve_ckpt_path(self.subcommand, asked, exp_dir) if self.subcommand else None
+        if resolved is not None:
+            cfg.ckpt_path = str(resolved)
+            # Structure only (mmap): the weights are read once, by the Trainer.
+            self._checkpoint = load_checkpoint(
+                resolved, weights_only=cfg.get("weights_only") is not False, mmap=True
+            )
+            model = cfg.get("model")
+            init = model.get("init_args") if model is not None and "init_args" in model else None
+            if init is not None:
+                check_fits(
+                    resolved,
+                    self._checkpoint,
+                    # The data-linked sizes are known once the data is built.
+                    {k: v for k, v in vars(init).items() if k not in LINKED},
+                    subcommand=self.subcommand,
+                    run_class_path=model.get("class_path"),
+                )
+        if self.subcommand == "fit" and asked == "last":
+            found = None if resolved is None else resolved.parent.parent
             if found is None:
                 rank_zero_info(
                     f"--ckpt_path last: nothing to resume under {exp_dir}; starting anew"
@@ -294,6 +315,7 @@ class MacformerCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         cfg = self._cfg(self.config_init)
+        self._check_checkpoint_fits_model()
         trainer_cfg = cfg.get("trainer", {})
         run_dir = self.run_dir
         kwargs.setdefault("default_root_dir", str(run_dir))
@@ -340,10 +362,15 @@ class MacformerCLI(LightningCLI):
         if wants_ckpt:
             callbacks.append(SaveOnSigterm())
             callbacks.append(MetricsRowsCheckpoint())
-            plugins = trainer_cfg.get("plugins") or []
-            plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-            if not any(isinstance(p, CheckpointIO) for p in plugins):
-                kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        # Every load (resume, test after fit, validate/test/predict) goes through the
+        # same safe path, checkpointing on or off.
+        plugins = trainer_cfg.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            safe = cfg.get("weights_only") is not False
+            kwargs["plugins"] = [*plugins, SafeCheckpointIO(weights_only=safe)]
+        if self.subcommand == "predict":
+            callbacks.append(PredictionWriter())
         kwargs["callbacks"] = callbacks
         try:
             return super().instantiate_trainer(**kwargs)
@@ -366,13 +393,39 @@ class MacformerCLI(LightningCLI):
         if cfg.get("test_after_fit") and not trainer.interrupted:
             ckpt = trainer.checkpoint_callback
             best = ckpt.best_model_path if ckpt is not None else ""
-            results = trainer.test(self.model, datamodule=self.datamodule, ckpt_path=best or None)
+            results = trainer.test(
+                self.model,
+                datamodule=self.datamodule,
+                ckpt_path=best or None,
+                weights_only=cfg.get("weights_only") is not False,
+            )
             self._report(results)
         else:
             self._report(None)
 
     def after_test(self) -> None:
         self._report(None)
+
+    def after_validate(self) -> None:
+        if self.trainer.is_global_zero:
+            print(f"Run folder: {self.run_dir}", flush=True)
+
+    def after_predict(self) -> None:
+        writer = next(c for c in self.trainer.callbacks if isinstance(c, PredictionWriter))
+        if self.trainer.is_global_zero and writer.path is not None:
+            print(f"Run folder: {self.run_dir}", flush=True)
+            print(f"Predictions: {writer.path} ({writer.count} examples)", flush=True)
+
+    def _check_checkpoint_fits_model(self) -> None:
+        """The checkpoint against the model as built, data-linked sizes included."""
+        if self._checkpoint is None or not hasattr(self.model, "hparams"):
+            return
+        check_fits(
+            Path(self._cfg(self.config).ckpt_path),
+            self._checkpoint,
+            dict(self.model.hparams),
+            subcommand=self.subcommand,
+        )
 
     def _report(self, results: list[dict] | None) -> None:
         if not self.trainer.is_global_zero:

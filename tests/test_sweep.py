@@ -274,3 +274,58 @@ def test_a_failed_run_is_reported_not_fatal(tmp_path):
     md = (out_dir / "results.md").read_text()
     assert "failed (exit" in md and "no_such_backend" in md
     assert (out_dir / "curves.png").is_file()
+
+
+def failing_sweep(tmp_path):
+    return write_sweep(
+        tmp_path / "fix.yaml",
+        name="fix",
+        config=str(REPO / "configs" / "translation_synthetic.yaml"),
+        args=tiny_args(tmp_path),
+        axes={"att": {"x": {"model.init_args.attention": {"name": "no_such_backend"}}}},
+    )
+
+
+RUNS = ["--wandb_mode", "disabled"]
+FIX = ["--", "--model.init_args.attention", "{name: softmax}", "--trainer.max_steps", "1"]
+
+
+def test_dry_run_and_wandb_sweep_carry_the_arguments_after_the_separator(tmp_path, capsys):
+    path = failing_sweep(tmp_path)
+    runs, fix = ["--runs_dir", str(tmp_path / "runs"), *RUNS], FIX
+    assert sweep.main([str(path), *runs, "--dry_run", *fix]) == 0
+    (command,) = capsys.readouterr().out.strip().splitlines()
+    assert "--trainer.max_steps 1" in command and "'{name: softmax}'" in command
+    wb = tmp_path / "wb.yaml"
+    assert sweep.main([str(path), *runs, "--wandb_sweep", str(wb), *fix]) == 0
+    assert "--trainer.max_steps" in wb.read_text() and "{name: softmax}" in wb.read_text()
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_failed_point_no_retry_rerun_and_report_only(tmp_path, capsys):
+    """A point that fails is skipped with --no_retry_failed, retried (and fixed by the
+    arguments after '--') on a plain rerun; --report_only runs nothing."""
+    path = failing_sweep(tmp_path)
+    runs, fix = ["--runs_dir", str(tmp_path / "runs"), *RUNS], FIX
+    folder = tmp_path / "runs" / "fix" / "att=x"
+    with pytest.raises(SystemExit) as err:
+        sweep.main([str(path), *runs])
+    assert err.value.code == 1
+    failed = json.loads((folder / sweep.STATUS_FILE).read_text())
+    assert failed["status"] == "failed"
+    with pytest.raises(SystemExit):
+        sweep.main([str(path), *runs, "--no_retry_failed", *fix])
+    assert "att=x: failed before, skipped (--no_retry_failed)" in capsys.readouterr().out
+    assert json.loads((folder / sweep.STATUS_FILE).read_text()) == failed
+
+    assert sweep.main([str(path), *runs, *fix]) == 0
+    done = json.loads((folder / sweep.STATUS_FILE).read_text())
+    assert done["status"] == "done" and "--trainer.max_steps 1" in done["command"]
+    log = (folder / sweep.LOG_FILE).read_text()
+    assert log.count("\n$ ") + log.startswith("$ ") == 2
+
+    capsys.readouterr()
+    assert sweep.main([str(path), *runs, "--report_only"]) == 0
+    assert "att=x" in capsys.readouterr().out
+    assert (folder / sweep.LOG_FILE).read_text() == log

@@ -1,0 +1,364 @@
+"""Checkpoints for the CLI: find, check, load (safely) and compare with the command line.
+
+- ``resolve_ckpt_path``: ``--ckpt_path last`` / ``best`` name the newest checkpoint of that
+  kind among the experiment's ``version_<n>`` folders, for every subcommand; ``test``,
+  ``validate`` and ``predict`` refuse to run without a checkpoint (they would score
+  random weights).
+- ``load_checkpoint``: the one way a checkpoint is read, with ``weights_only=True`` unless
+  the user lifted it (``--weights_only false``). A path that is missing, a folder, not a
+  torch checkpoint, or truncated gets one line saying so; only a real torch checkpoint
+  that holds Python objects is told about ``--weights_only false``. ``SafeCheckpointIO``
+  routes Lightning's own loads (``fit`` resume, ``test`` right after ``fit``) through it.
+- ``check_fits``: LightningCLI would load a checkpoint's saved hyper-parameters over the
+  command line's (a softmax checkpoint silently turned ``--config attention/rmfa_exp.yaml``
+  into a softmax run, in a folder named after RMFA). Instead the model is built from what
+  the command line asks for, and every setting the checkpoint contradicts is refused,
+  naming both values.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from macformer_lit.attention import _PRE_SBN_OPTIONS, BACKENDS, PPSBNAttention
+from macformer_lit.callbacks.preemption import AtomicCheckpointIO
+from macformer_lit.tasks.compat import STRUCTURAL
+
+EVAL_SUBCOMMANDS = ("validate", "test", "predict")
+# A resumed fit restores the checkpoint's optimiser and schedule, whose learning rate,
+# betas, eps, weight decay and warm-up would silently win over the command line's.
+OPTIMIZER_SETTINGS = ("lr", "weight_decay", "betas", "eps", "warmup_steps")
+# Model settings the CLI links from the DataModule: known only once the data is built.
+DATA_LINKED = ("vocab_size", "num_classes", "max_len", "pad_id", "bos_id", "eos_id")
+ROLES = ("encoder_attention", "decoder_attention", "cross_attention")
+
+ZIP_MAGIC = b"PK\x03\x04"
+# torch.save's legacy (non-zip) format starts with this pickled magic number.
+LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the run cannot use; the message is one line naming problem and fix."""
+
+
+# ---- finding ---------------------------------------------------------------------------
+def _versions(exp_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in exp_dir.glob("version_*"):
+        m = re.fullmatch(r"version_(\d+)", p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found, reverse=True)
+
+
+def newest_checkpoint(exp_dir: Path, which: str) -> Path | None:
+    """``checkpoints/last.ckpt`` (``which="last"``) or the ``best-*.ckpt``
+    (``which="best"``) of the newest version folder that holds one."""
+    for _, version in _versions(exp_dir):
+        folder = version / "checkpoints"
+        if which == "last":
+            if (folder / "last.ckpt").is_file():
+                return folder / "last.ckpt"
+            continue
+        best = sorted(folder.glob("best*.ckpt"))
+        if len(best) > 1:
+            raise CheckpointError(
+                f"--ckpt_path best: {folder} holds {len(best)} best checkpoints "
+                f"({', '.join(p.name for p in best)}); name the one to use with --ckpt_path PATH"
+            )
+        if best:
+            return best[0]
+    return None
+
+
+def resolve_ckpt_path(subcommand: str, value: str | None, exp_dir: Path) -> Path | None:
+    """The checkpoint file ``--ckpt_path value`` names for ``subcommand``, checked.
+
+    ``fit --ckpt_path last`` with nothing to resume returns None (a new run starts).
+    """
+    if value in (None, ""):
+        if subcommand in EVAL_SUBCOMMANDS:
+            raise CheckpointError(
+                f"{subcommand} needs a trained model: name its checkpoint with --ckpt_path "
+                f"PATH (a .ckpt file), or --ckpt_path last / best for the newest run of "
+                f"experiment '{exp_dir.name}' under {exp_dir.parent}"
+            )
+        return None
+    if value in ("last", "best"):
+        if subcommand == "fit" and value == "best":
+            raise CheckpointError(
+                "fit --ckpt_path best: fit resumes a run from its last.ckpt; use "
+                "--ckpt_path last, or name a checkpoint file to start from"
+            )
+        found = newest_checkpoint(exp_dir, value)
+        if found is None and subcommand != "fit":
+            name = "last.ckpt" if value == "last" else "best-*.ckpt"
+            raise CheckpointError(
+                f"--ckpt_path {value}: no version_<n>/checkpoints/{name} under {exp_dir}; "
+                f"name a checkpoint file, or the --experiment (and --runs_dir) its fit used"
+            )
+        if found is not None:
+            check_checkpoint_file(found)
+        return found
+    path = Path(value).expanduser()
+    check_checkpoint_file(path)
+    return path
+
+
+# ---- checking and loading --------------------------------------------------------------
+def check_checkpoint_file(path: Path, option: str = "--ckpt_path") -> None:
+    """One line for a path that cannot be a checkpoint file: missing, a folder, unreadable."""
+    if not path.exists():
+        hint = ""
+        if path.parent.is_dir():
+            near = sorted(p.name for p in path.parent.glob("*.ckpt"))[:5]
+            if near:
+                hint = f" ({path.parent} holds {', '.join(near)})"
+        raise CheckpointError(
+            f"{option} {path}: no such file{hint}; name an existing .ckpt file, or use "
+            f"'last' / 'best' for the newest run of the experiment"
+        )
+    if path.is_dir():
+        inside = sorted(str(p.relative_to(path)) for p in path.rglob("*.ckpt"))[:5]
+        hint = f"; it holds {', '.join(inside)}" if inside else ""
+        raise CheckpointError(
+            f"{option} {path} is a folder, not a checkpoint file{hint}; name a .ckpt file "
+            f"(e.g. .../checkpoints/last.ckpt)"
+        )
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(
+            f"{option} {path}: permission denied; make the file readable or name another"
+        )
+
+
+def _kind(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(len(LEGACY_MAGIC))
+    if head.startswith(ZIP_MAGIC):
+        return "zip"
+    if head == LEGACY_MAGIC:
+        return "legacy"
+    return "other"
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    weights_only: bool = True,
+    mmap: bool = False,
+    map_location: Any = "cpu",
+    option: str = "--ckpt_path",
+) -> dict[str, Any]:
+    """Read a Lightning checkpoint; every failure is a one-line ``CheckpointError``.
+
+    ``mmap=True`` reads the structure without the tensors' bytes (zip checkpoints).
+    """
+    path = Path(path)
+    check_checkpoint_file(path, option)
+    kind = _kind(path)
+    if kind == "other":
+        size = path.stat().st_size
+        what = "an empty file" if size == 0 else "not a torch checkpoint"
+        raise CheckpointError(
+            f"{option} {path} is {what} (a checkpoint is a file torch.save wrote, e.g. "
+            f"runs/<experiment>/version_<n>/checkpoints/last.ckpt); name a .ckpt file"
+        )
+    try:
+        loaded = torch.load(
+            path, map_location=map_location, weights_only=weights_only, mmap=mmap and kind == "zip"
+        )
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if weights_only and refused:
+            raise CheckpointError(
+                f"{option} {path} holds a Python object ({refused.group(1)}) that loading "
+                f"with weights_only=True refuses to unpickle; if you trust this file, "
+                f"--weights_only false loads it"
+            ) from None
+        raise _damaged(path, option, err) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise _damaged(path, option, err) from None
+    if not isinstance(loaded, Mapping) or "state_dict" not in loaded:
+        what = type(loaded).__name__
+        if isinstance(loaded, Mapping):
+            what = f"a dict with keys {', '.join(map(str, list(loaded)[:6]))}"
+        raise CheckpointError(
+            f"{option} {path} is a torch file but not a Lightning checkpoint (it holds "
+            f"{what}, no state_dict); name a .ckpt file a fit wrote"
+        )
+    return dict(loaded)
+
+
+def _damaged(path: Path, option: str, err: BaseException) -> CheckpointError:
+    text = str(err)
+    if "not in a subdirectory" in text:
+        return CheckpointError(
+            f"{option} {path} is a zip archive but not a torch checkpoint; name a .ckpt file"
+        )
+    if "central directory" in text or isinstance(err, EOFError) or "Ran out of input" in text:
+        reason = "its end is missing"
+    else:
+        reason = text.strip().splitlines()[0][:120] if text.strip() else type(err).__name__
+    return CheckpointError(
+        f"{option} {path} is truncated or damaged ({reason}); it cannot be loaded: use "
+        f"another checkpoint (last.ckpt and the best-step file are saved side by side)"
+    )
+
+
+class SafeCheckpointIO(AtomicCheckpointIO):
+    """Atomic saves, and every load Lightning makes (``fit`` resume, ``test`` right after
+    ``fit``, ``validate``/``test``/``predict``) through ``load_checkpoint``: with
+    ``weights_only=True`` unless this run was started with ``--weights_only false``."""
+
+    def __init__(self, weights_only: bool = True) -> None:
+        super().__init__()
+        self.weights_only = weights_only
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
+        # Lightning passes None when its caller did not choose: our default, not its False.
+        safe = self.weights_only if weights_only is None else weights_only
+        return load_checkpoint(
+            path,
+            weights_only=safe,
+            map_location=map_location if map_location is not None else "cpu",
+        )
+
+
+# ---- comparing with the command line ---------------------------------------------------
+def _plain(value: Any) -> Any:
+    """Namespaces and mappings as dicts, sequences as tuples, recursively."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    params = inspect.signature(cls.__init__).parameters
+    return {
+        k: p.default
+        for k, p in params.items()
+        if p.default is not inspect.Parameter.empty and k not in ("head_dim", "num_heads")
+    }
+
+
+def full_attention_spec(spec: Any) -> dict[str, Any]:
+    """``spec`` with every option it leaves out set to its default, so that
+    ``{name: softmax}`` equals ``{name: softmax, dropout: 0.0}``."""
+    spec = dict(_plain(spec) or {"name": "softmax"})
+    cls = BACKENDS.get(spec.get("name"))
+    if cls is None:
+        return spec
+    full: dict[str, Any] = {"pre_sbn": False, "post_sbn": False, **_defaults(cls)}
+    if spec.get("pre_sbn") or spec.get("post_sbn"):
+        sbn = _defaults(PPSBNAttention)
+        full.update({key: sbn[arg] for key, arg in _PRE_SBN_OPTIONS.items()})
+    if spec.get("pre_sbn") and "bounded_inputs" in full:
+        full["bounded_inputs"] = True  # build_attention's own rule
+    full.update(spec)
+    return full
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value) if isinstance(value, str) and not value.isidentifier() else str(value)
+
+
+def _attention_problems(key: str, saved: Any, run: Any) -> list[str]:
+    saved_full, run_full = full_attention_spec(saved), full_attention_spec(run)
+    if saved_full == run_full:
+        return []
+    if saved_full.get("name") != run_full.get("name"):
+        shown_saved = _plain(saved) or {"name": "softmax"}
+        shown_run = _plain(run) or {"name": "softmax"}
+        return [f"{key}: checkpoint has {_show(shown_saved)}, this run {_show(shown_run)}"]
+    return [
+        f"{key}.{opt}: checkpoint has {_show(saved_full.get(opt))}, this run "
+        f"{_show(run_full.get(opt))}"
+        for opt in sorted(set(saved_full) | set(run_full), key=str)
+        if saved_full.get(opt) != run_full.get(opt)
+    ]
+
+
+def conflicts(
+    saved: Mapping[str, Any],
+    run: Mapping[str, Any],
+    *,
+    subcommand: str,
+    run_class_path: str | None = None,
+) -> list[str]:
+    """Each setting of ``run`` (the model's init args this run asks for) that the
+    checkpoint's saved hyper-parameters contradict, as ``key: checkpoint has A, this run B``.
+
+    Settings ``run`` lacks are not compared (the data-linked ones before the data exists).
+    """
+    saved, run = _plain(dict(saved)), _plain(dict(run))
+    problems = []
+    saved_class = saved.get("_class_path")
+    if saved_class and run_class_path and saved_class != run_class_path:
+        return [f"model class: checkpoint has {saved_class}, this run {run_class_path}"]
+    keys = list(STRUCTURAL)
+    if subcommand == "fit":
+        keys += OPTIMIZER_SETTINGS
+    for key in keys:
+        if key not in saved or key not in run:
+            continue
+        if "attention" in key:
+            saved_spec, run_spec = saved[key], run[key]
+            if key in ROLES:
+                # None means "as attention" for a decoder role.
+                saved_spec = saved_spec or saved.get("attention")
+                run_spec = run_spec or run.get("attention")
+            problems += _attention_problems(key, saved_spec, run_spec)
+        elif saved[key] != run[key]:
+            problems.append(
+                f"{key}: checkpoint has {_show(saved[key])}, this run {_show(run[key])}"
+            )
+    return problems
+
+
+def check_fits(
+    path: Path,
+    checkpoint: Mapping[str, Any],
+    run: Mapping[str, Any],
+    *,
+    subcommand: str,
+    run_class_path: str | None = None,
+) -> None:
+    """Refuse a checkpoint whose saved settings contradict this run's, naming both values."""
+    saved = checkpoint.get("hyper_parameters") or {}
+    problems = conflicts(saved, run, subcommand=subcommand, run_class_path=run_class_path)
+    if not problems:
+        return
+    hint = "run with the settings it was trained with"
+    config = path.parent.parent / "config.yaml"
+    if config.is_file():
+        hint += f" (they are in {config})"
+    if any(p.split(":")[0] in DATA_LINKED for p in problems):
+        hint += (
+            "; the data side differs (vocabulary, tokenizer or max_len): use the data "
+            "settings it was trained with"
+        )
+    elif subcommand == "fit" and any(p.split(":")[0] in OPTIMIZER_SETTINGS for p in problems):
+        hint += "; a resumed fit continues the checkpoint's optimiser and learning-rate schedule"
+    raise CheckpointError(
+        f"this checkpoint does not fit the model of this run (--ckpt_path {path}): "
+        + "; ".join(problems)
+        + f". Either {hint}, or name a checkpoint trained with this run's settings"
+    )
