@@ -1,6 +1,6 @@
 """Approximation error of the random-feature attentions (Macformer Fig. 4 style).
 
-NMSE = ‖approx − exact‖² / ‖exact‖² (SPEC §4) of bidirectional attention outputs, against the
+NMSE = ‖approx − exact‖²/‖exact‖² (docs/maths.md §13) of bidirectional attention output, against the
 exact kernelized attention of the same kernel on the same inputs (computed in float64, in
 query chunks), over a grid of sequence lengths N and feature counts D, averaged over seeds
 (every seed draws new inputs and new features). Methods: RMFA with the ``faithful``
@@ -13,7 +13,7 @@ inputs, the two baselines that pre-SBN makes hard to beat:
   a₀ + a₁·q·k/√d (1 + q·k/√d for exp), normalised like any kernelized attention.
 
 Inputs: q, k, v ~ N(0, 1), d = 64. "pre-SBN'd" q and k are standardised per (head, channel)
-over batch and positions, then L2-normalised per row (ppSBN's pre step, SPEC §1.6). The
+over batch and positions, then L2-normalised per row (ppSBN's pre step, docs/maths.md §10.1). The
 "without pre-SBN" table feeds the raw Gaussians (logits q·k/√d ~ N(0, 1)) and reports RMF's
 raw estimator (denominator policy ``none``), the default ``fallback`` policy, the fraction of
 rows whose RMF denominator Φ(q)·ΣΦ(k) is ≤ 0, and the fraction where the policy engaged

@@ -18,7 +18,7 @@ reproducible after the package changed:
 Every case runs fwd+bwd (train mode, ``out.backward(g)`` with a fixed random g, gradients of
 q, k, v included) once per round in a shuffled order; after the warm-up rounds, the table
 reports each variant's median time and the median over rounds of its time / old's time in
-that round (shared/PITFALLS.md: absolute times swing on this shared machine, ratios do not).
+that round (docs/pitfalls.md §9: absolute times swing on this shared machine, ratios do not).
 It also reports the largest |new − old| of the output and of the q, k, v gradients.
 
     python -m benchmarks.attention_hotpaths                   # the committed run

@@ -5,7 +5,7 @@ For each N, every method x direction (bidirectional, causal) x pass (forward, fo
 is timed in interleaved rounds: each round runs every case once, in a shuffled order, for each
 thread count asked for; a method's ratio in a round is its time over softmax's time (same
 direction, pass and thread count) in that round, and the table reports the median over rounds
-(shared/PITFALLS.md: the machine is shared, absolute times swing, interleaved ratios do not).
+(docs/pitfalls.md §9: the machine is shared, absolute times swing, interleaved ratios do not).
 
 - forward: ``torch.no_grad()``, modules in eval mode (inference);
 - forward+backward: modules in train mode, ``out.backward(g)`` with a fixed random g, the

@@ -208,6 +208,17 @@ def read_status(folder: Path) -> dict[str, Any] | None:
         return None
 
 
+def located_status(folder: Path) -> dict[str, Any] | None:
+    """A point's status, its ``run_dir`` found again inside ``folder`` when the recorded
+    path (relative to where the sweep ran) is not there: a copied or moved sweep folder, such
+    as the committed ``results/<sweep>/``, still reports from its own runs."""
+    status = read_status(folder)
+    if status and status.get("run_dir") and not Path(status["run_dir"]).is_dir():
+        newest = newest_version(folder)
+        status["run_dir"] = str(newest) if newest else None
+    return status
+
+
 def newest_version(folder: Path) -> Path | None:
     found = [
         (int(p.name.split("_")[1]), p)
@@ -495,7 +506,7 @@ def plot_curves(
 
 def report(spec: dict[str, Any], runs_dir: Path) -> dict[str, Path]:
     points = grid(spec)
-    statuses = [read_status(point_dir(spec, p, runs_dir)) for p in points]
+    statuses = [located_status(point_dir(spec, p, runs_dir)) for p in points]
     table = [summarise(spec, p, s) for p, s in zip(points, statuses)]
     out_dir = runs_dir / spec["name"]
     out_dir.mkdir(parents=True, exist_ok=True)

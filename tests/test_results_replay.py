@@ -10,6 +10,7 @@ identical to all printed digits on the machine that wrote them).
 from __future__ import annotations
 
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ def logged_losses(metrics: Path, below: int) -> dict[int, float]:
         }
 
 
-@pytest.mark.parametrize("run", ["listops_short_cpu"])
+@pytest.mark.parametrize(
+    "run", ["listops_short_cpu", "synthetic_ppsbn/method=softmax,seed=0/version_0"]
+)
 def test_first_steps_of_a_committed_run_replay(tmp_path, run):
     folder = RESULTS / run
     expected = logged_losses(folder / "metrics.csv", STEPS)
@@ -57,3 +60,23 @@ def test_first_steps_of_a_committed_run_replay(tmp_path, run):
     assert replayed.keys() == expected.keys()
     for step, loss in expected.items():
         assert replayed[step] == pytest.approx(loss, rel=1e-4), step
+
+
+SWEEPS = {"synthetic_ppsbn": "configs/sweeps/synthetic_ppsbn.yaml"}
+
+
+@pytest.mark.parametrize("name", sorted(SWEEPS))
+def test_committed_sweep_tables_regenerate(tmp_path, name):
+    """``sweep FILE --report_only --runs_dir results`` rebuilds the committed tables from the
+    committed runs (their ``sweep_status.json``, ``config.yaml`` and ``metrics.csv``)."""
+    from macformer_lit.sweep import main as sweep_main
+
+    shutil.copytree(RESULTS / name, tmp_path / name)
+    for table in ("results.csv", "results_mean.csv"):
+        (tmp_path / name / table).unlink()
+    sweep_main([str(RESULTS.parent / SWEEPS[name]), "--report_only", "--runs_dir", str(tmp_path)])
+    for table in ("results.csv", "results_mean.csv"):
+        # Run folders are named as the committed tables name them: relative to the repository.
+        committed = (RESULTS / name / table).read_text()
+        rebuilt = (tmp_path / name / table).read_text().replace(str(tmp_path), "results")
+        assert rebuilt == committed, table

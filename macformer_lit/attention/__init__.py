@@ -1,4 +1,4 @@
-"""Attention backends behind one contract (SPEC §1) and a plain registry.
+"""Attention backends behind one contract (docs/maths.md §1) and a plain registry.
 
 Adding a backend: one file in this folder, one line in ``BACKENDS``, one YAML under
 ``configs/attention/``, one entry in ``reference.REFERENCES``. The contract tests pick it

@@ -1,4 +1,4 @@
-"""The one attention contract every backend follows (SPEC §1).
+"""The one attention contract every backend follows (docs/maths.md §1).
 
     out = attn(q, k, v, *, key_padding_mask=None, causal=False)   # (B, H, N, d)
 

@@ -1,4 +1,4 @@
-"""FAVOR+ (Performer, Choromanski et al. 2021), SPEC §1.5.
+"""FAVOR+ (Performer, Choromanski et al. 2021), docs/maths.md §6.
 
 Positive orthogonal random features for the softmax kernel,
 φ(x) = m^{-1/2} exp(Wx − ‖x‖²/2) with x = q/d^{1/4}; rows of W orthogonal in blocks of d,

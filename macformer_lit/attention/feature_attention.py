@@ -1,4 +1,4 @@
-"""Shared core of the feature-map backends (rmfa, favor, linear), SPEC §1.4.
+"""Shared core of the feature-map backends (rmfa, favor, linear), docs/maths.md §8.
 
     out_i = φ(q_i)ᵀ [Σ_j φ(k_j) ⊗ v_j] / φ(q_i)ᵀ [Σ_j φ(k_j)]
 

@@ -1,12 +1,12 @@
 """Random feature samplers and maps: pure functions, no training state.
 
-Random Maclaurin features follow Kar & Karnick (2012) as used by Macformer (SPEC §1.4);
+Random Maclaurin features follow Kar & Karnick (2012) as used by Macformer (docs/maths.md §5);
 the "official" and "h01" measures follow the dp-rfs code the SchoenbAt release builds on
 (https://github.com/joneswack/dp-rfs, Wacker et al.). Orthogonal Gaussian features follow
-Performer (Choromanski et al. 2021, SPEC §1.5).
+Performer (Choromanski et al. 2021, docs/maths.md §6).
 
 Degrees are geometric with P[N = n] = (p−1) p^{−(n−m+1)} for n ≥ m (m = 0 faithful,
-1 official, 2 h01). At p = 2, m = 0 this is SPEC's p^{−(n+1)}; for other p the SPEC/paper
+1 official, 2 h01). At p = 2, m = 0 this is the papers' p^{−(n+1)}; for other p their
 formula does not sum to one, so the (p−1) factor keeps the estimator unbiased for any p > 1.
 """
 
@@ -134,7 +134,7 @@ class MaclaurinMap(torch.autograd.Function):
     """Φ(x) as feature rows (..., D', L) from x (..., L, d) and layout rows ω (..., S, d).
 
     Hand-written backward: autograd through ``prod``/``unbind`` over many small degree
-    groups was several times slower than the matmuls on CPU (shared/PITFALLS.md).
+    groups was several times slower than the matmuls on CPU (docs/pitfalls.md §2).
     ``const`` (broadcastable to (..., 1, L)) is the merged degree-0 row, or None.
     """
 

@@ -1,4 +1,4 @@
-"""Exact kernelized attention for any dot-product kernel (SPEC §1.2), O(N·M) memory.
+"""Exact kernelized attention for any dot-product kernel (docs/maths.md §3), O(N·M) memory.
 
     out_i = Σ_j 𝒦(q_i·k_j/√d) v_j / Σ_j 𝒦(q_i·k_j/√d)
 

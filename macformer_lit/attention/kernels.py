@@ -1,4 +1,4 @@
-"""Dot-product kernels 𝒦(x) = Σ_N a_N x^N with a_N ≥ 0 (SPEC §1.3).
+"""Dot-product kernels 𝒦(x) = Σ_N a_N x^N with a_N ≥ 0 (docs/maths.md §4).
 
 Macformer Table 1, corrected: log has a₀ = 1, a_N = 1/N (the paper's ``1/min(1, N)`` is
 undefined at N = 0); sqrt has a_N = (2N−3)!! / (2ᴺ N!) (the paper's ``max(1, 2N−3)`` is

@@ -1,5 +1,5 @@
 """Linear attention with φ(x) = elu(x) + 1 (Katharopoulos et al. 2020, "Transformers are
-RNNs"; fast-transformers' ``elu_feature_map``), SPEC §1.7.
+RNNs"; fast-transformers' ``elu_feature_map``), docs/maths.md §7.
 
 Deterministic positive features, no buffers: the cost floor of linear attention. The
 telemetry compares it with exact softmax attention (``target_kernel = "exp"``), the

@@ -1,4 +1,4 @@
-"""Pre-post Scaling Batch Normalization around any backend (Macformer Algorithm 1), SPEC §1.6.
+"""Pre-post Scaling Batch Normalization around any backend (Macformer Alg. 1; docs/maths.md §10).
 
 Pre-SBN (q and k separately): standardise per (head, channel) with statistics over the batch
 and the real positions only (BatchNorm semantics: running estimates for eval, synchronised

@@ -18,7 +18,7 @@ from .kernels import Kernel, get_kernel
 
 
 def nmse(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """‖approx − exact‖² / ‖exact‖² (SPEC §4)."""
+    """‖approx − exact‖² / ‖exact‖² (docs/maths.md §13)."""
     return (approx.double() - exact.double()).pow(2).sum() / exact.double().pow(2).sum()
 
 

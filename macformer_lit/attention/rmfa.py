@@ -1,4 +1,4 @@
-"""Random Maclaurin Feature Attention (Macformer; Kar & Karnick 2012), SPEC §1.4.
+"""Random Maclaurin Feature Attention (Macformer; Kar & Karnick 2012), docs/maths.md §5.
 
 One draw (degrees and Rademacher ω) shared by q and k, kept in buffers. Measures:
 ``faithful`` (Macformer: every degree sampled, the degree-0 constants merged into one row),

@@ -1,8 +1,8 @@
-"""Exact softmax attention through torch SDPA (SPEC §1.1).
+"""Exact softmax attention through torch SDPA (docs/maths.md §2).
 
 Flash / memory-efficient kernels on GPU, the fused kernel on CPU. Attention dropout is an
 explicit option: on CPU any ``dropout > 0`` in training leaves the fused kernel for the
-math path, 8-14x slower (shared/PITFALLS.md).
+math path, 8-14x slower (docs/pitfalls.md §2).
 """
 
 from __future__ import annotations

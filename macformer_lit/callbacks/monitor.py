@@ -10,7 +10,7 @@
   from all ranks; rank 0 logs them). On CPU, ``train/peak_rss_mb`` and
   ``train/peak_rss_mb_rank{r}``: each process's peak resident set size so far.
 
-A light replacement for ``DeviceStatsMonitor`` (shared/PITFALLS.md).
+A light replacement for ``DeviceStatsMonitor`` (docs/pitfalls.md §1).
 """
 
 from __future__ import annotations

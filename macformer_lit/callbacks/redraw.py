@@ -1,6 +1,6 @@
-"""Redraw the random features of every attention layer on a schedule (SPEC §1.4).
+"""Redraw the random features of every attention layer on a schedule (docs/maths.md §5.6).
 
-Training-time side effects live in callbacks, not in ``forward`` (STYLE rule 11; the
+Training-time side effects live in callbacks, not in ``forward`` (docs/architecture.md §9; the
 counter-example is performer-pytorch redrawing inside forward). Layer i's draw number r
 comes from a generator seeded by (seed, i, r), so every rank and every resumed run draws
 the same features with no broadcast; r follows from the trainer's progress (step // n or

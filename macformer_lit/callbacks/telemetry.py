@@ -1,4 +1,4 @@
-"""Attention telemetry: how far each layer's backend is from exact attention (SPEC §1.6).
+"""Attention telemetry: how far each layer's backend is from exact attention (docs/maths.md §13).
 
 Every ``every_n_steps`` training steps, forward hooks (``with_kwargs=True``, so the model
 needs no changes) capture each attention core's inputs on the first ``batch_size``

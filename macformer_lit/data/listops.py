@@ -14,7 +14,7 @@ prefix of a larger one, and a later run that asks for more rows (or another seed
 regenerates the files with the larger sizes; a run that asks for fewer reads the first
 rows of the files already there.
 
-Tokenisers (SPEC §3.1):
+Tokenisers (docs/data.md §4):
 
 - ``"official"``: LRA's pipeline after its ListOps fix (google-research/long-range-arena
   commit c209b2a): drop the parentheses, keep ``]`` (LRA renames it ``X`` so that its

@@ -1,4 +1,4 @@
-"""Multi30K (Elliott et al. 2016), task 1: image-caption translation, SPEC §3.2.
+"""Multi30K (Elliott et al. 2016), task 1: image-caption translation, docs/data.md §9.
 
 Reads, in this order of preference:
 

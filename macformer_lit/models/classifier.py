@@ -1,4 +1,4 @@
-"""Sequence classifiers for Long Range Arena (SPEC §2).
+"""Sequence classifiers for Long Range Arena (docs/architecture.md §2).
 
 ``EncoderClassifier``: encoder, pooling, MLP head (Skyformer / LRA encoder classifier).
 ``DualEncoderClassifier``: LRA Retrieval, one shared encoder for both documents and a

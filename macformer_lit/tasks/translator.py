@@ -269,19 +269,38 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
 
     @torch.no_grad()
     def translate(self, batch: dict[str, Any]) -> list[str]:
-        """Decode the batch's sources into detokenised strings."""
+        """Decode the batch's sources into detokenised strings.
+
+        Each sentence gets its own budget, ``max_len_a * its source length + max_len_b``
+        tokens, so a translation does not depend on which sentences share its batch (under
+        DDP the batches differ from one process's). Greedy rows are independent: one call
+        with the largest budget, each row cut to its own. Beam search ranks finished and
+        unfinished hypotheses by length, so it runs once per distinct budget.
+        """
         hp = self.hparams
-        src_mask = batch.get("src_padding_mask")
-        src_len = int(src_mask.sum(1).max()) if src_mask is not None else batch["src_ids"].shape[1]
-        budget = max(1, int(hp.max_len_a * src_len + hp.max_len_b))
-        ids = self.model.generate(
-            batch["src_ids"],
-            src_mask,
-            beam_size=hp.beam_size,
-            max_new_tokens=min(budget, hp.max_len),
-            length_penalty=hp.length_penalty,
-        )
-        return [self._detokenize(row) for row in ids]
+        src_ids, src_mask = batch["src_ids"], batch.get("src_padding_mask")
+        if src_mask is not None:
+            lengths = src_mask.sum(1).tolist()
+        else:
+            lengths = [src_ids.shape[1]] * src_ids.shape[0]
+        budgets = [min(max(1, int(hp.max_len_a * n + hp.max_len_b)), hp.max_len) for n in lengths]
+        groups = {max(budgets): list(range(len(budgets)))} if hp.beam_size == 1 else {}
+        if hp.beam_size != 1:
+            for i, budget in enumerate(budgets):
+                groups.setdefault(budget, []).append(i)
+        out: list[list[int]] = [[] for _ in budgets]
+        for budget, rows in groups.items():
+            index = torch.tensor(rows, device=src_ids.device)
+            ids = self.model.generate(
+                src_ids[index],
+                None if src_mask is None else src_mask[index],
+                beam_size=hp.beam_size,
+                max_new_tokens=budget,
+                length_penalty=hp.length_penalty,
+            )
+            for i, row in zip(rows, ids):
+                out[i] = list(row)[: budgets[i]]
+        return [self._detokenize(row) for row in out]
 
     def _score(self, batch: dict[str, Any], stage: str) -> None:
         hyps = self.translate(batch)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import copy
 import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -12,7 +16,18 @@ import pytest
 import torch
 from torch import nn
 
-from macformer_lit.attention import BACKENDS, build_attention, random_feature_backends
+from macformer_lit.attention import (
+    BACKENDS,
+    attention_cores,
+    build_attention,
+    random_feature_backends,
+)
+from macformer_lit.attention.reference import (
+    first_order_attention,
+    kernelized_attention,
+    nmse,
+    uniform_attention,
+)
 from macformer_lit.callbacks.redraw import FeatureRedraw
 from macformer_lit.callbacks.telemetry import AttentionTelemetry
 
@@ -98,22 +113,28 @@ def test_redraw_is_identical_across_ranks_and_distinct_across_layers(name):
     torch.testing.assert_close(rank0[0](q, q, q), rank1[0](q, q, q), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", RANDOM)
-def test_setup_gives_every_rank_the_draw_of_rank_zero(name):
-    rank0, rank1 = _model(name, 0), _model(name, 1)
-    sent = {}
-
-    def broadcast(obj, src=0):  # what rank 1 receives: rank 0's object
-        return sent.setdefault("draws", []).pop(0) if src == 0 and sent.get("draws") else obj
-
-    trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(broadcast=broadcast))
-    sent["draws"] = [
-        {k: v.clone() for k, v in b.state_dict().items()} for b in random_feature_backends(rank0)
-    ]
-    FeatureRedraw().setup(trainer, rank1, "fit")
-    assert _same(_features(rank1), _features(rank0))
-    q = torch.randn(2, 2, 6, 8)
-    torch.testing.assert_close(rank1[0](q, q, q), rank0[0](q, q, q), rtol=0, atol=0)
+@pytest.mark.parametrize(
+    "name", [n if n == "rmfa" else pytest.param(n, marks=pytest.mark.slow) for n in RANDOM]
+)
+def test_setup_gives_every_rank_the_draw_of_rank_zero(name, tmp_path):
+    """Real DDP (2 gloo processes, about 13 s) with each rank seeded differently, so the
+    ranks' own draws differ and only FeatureRedraw.setup's broadcast can make them agree
+    (DDP's buffer broadcast is off). DDP must run in a subprocess: in-process it would
+    re-launch pytest's command line."""
+    script = Path(__file__).with_name("ddp_redraw_probe.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), name, str(tmp_path)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert not _same(r0["built"], r1["built"])  # without the broadcast the ranks disagree
+    assert _same(r0["started"], r0["built"])
+    assert _same(r1["started"], r0["built"])
 
 
 @pytest.mark.parametrize("name", RANDOM)
@@ -140,6 +161,7 @@ class _TinyModule(pl.LightningModule):
                     "rmfa", head_dim=8, num_heads=2, num_features=32, pre_sbn=True, post_sbn=True
                 ),
                 build_attention("favor", head_dim=8, num_heads=2, num_features=32),
+                build_attention("softmax", head_dim=8, num_heads=2),
             ]
         )
 
@@ -155,16 +177,39 @@ class _TinyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class _CaptureCoreInputs(pl.Callback):
+    """Each core's first training call at every step: what telemetry measured (batch_size 1)."""
+
+    def __init__(self):
+        self.calls: dict[tuple[int, int], tuple] = {}
+
+    def on_fit_start(self, trainer, pl_module):
+        for layer, (_, core) in enumerate(attention_cores(pl_module)):
+            core.register_forward_hook(self._hook(trainer, layer), with_kwargs=True)
+
+    def _hook(self, trainer, layer):
+        def hook(module, args, kwargs, output):
+            key = (trainer.global_step, layer)
+            if module.training and key not in self.calls:
+                mask = kwargs.get("key_padding_mask")
+                causal = kwargs.get("causal", False)
+                self.calls[key] = (*(t[:1].detach().clone() for t in args[:3]), mask[:1], causal)
+
+        return hook
+
+
 def test_callbacks_in_a_tiny_fit(tmp_path):
     pl.seed_everything(0)
     module = _TinyModule()
     start = _features(module)
     data = torch.utils.data.TensorDataset(torch.randn(16, 12, 8))
+    capture = _CaptureCoreInputs()
     trainer = pl.Trainer(
         max_steps=5,
         logger=pl.loggers.CSVLogger(tmp_path),
         log_every_n_steps=1,
         callbacks=[
+            capture,
             FeatureRedraw(policy="steps", every_n_steps=2),
             AttentionTelemetry(every_n_steps=2),
         ],
@@ -178,18 +223,40 @@ def test_callbacks_in_a_tiny_fit(tmp_path):
     assert [int(b.redraw_index) for b in random_feature_backends(module)] == [2, 2]
     assert not _same(_features(module), start)
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
-    logged = [r for r in rows if r.get("telemetry/layer0/nmse")]
-    assert len(logged) == 3  # steps 0, 2, 4
-    for layer in (0, 1):
-        for key in (
-            "nmse",
-            "nmse_uniform",
-            "nmse_first_order",
-            "denominator_engaged",
-            "logit_min",
-            "logit_max",
-        ):
-            value = float(logged[-1][f"telemetry/layer{layer}/{key}"])
-            assert value == value  # not NaN
+    logged = {int(r["step"]): r for r in rows if r.get("telemetry/layer0/nmse")}
+    assert sorted(logged) == [0, 2, 4]
+    # Recompute step 4 (its draw is the one the cores still hold) on the captured inputs.
+    cores = [core for _, core in attention_cores(module)]
+    for layer, core in enumerate(cores):
+        q, k, v, mask, causal = capture.calls[4, layer]
+        with torch.no_grad():
+            out = core.eval()(q, k, v, key_padding_mask=mask, causal=causal)
+        exact = kernelized_attention(q, k, v, "exp", mask, causal)
+        logits = (q @ k.transpose(-1, -2)).double() / 8**0.5
+        keep = (mask[:, None, None, :] & torch.ones(12, 12, dtype=torch.bool).tril()).expand_as(
+            logits
+        )
+        expected = {
+            "nmse": nmse(out, exact),
+            "nmse_uniform": nmse(uniform_attention(q, k, v, mask, causal), exact),
+            "nmse_first_order": nmse(first_order_attention(q, k, v, "exp", mask, causal), exact),
+            "logit_min": logits[keep].min(),
+            "logit_max": logits[keep].max(),
+        }
+        for key, value in expected.items():
+            got = float(logged[4][f"telemetry/layer{layer}/{key}"])
+            assert got == pytest.approx(float(value), rel=1e-5, abs=1e-12), (layer, key)
+    # The uniform baseline is far from exact (the measurement is not trivially 0) ...
+    assert all(float(r["telemetry/layer0/nmse_uniform"]) > 1e-6 for r in logged.values())
+    # ... while a softmax core is exact attention with the exp kernel: float32 rounding only.
+    assert all(float(r["telemetry/layer2/nmse"]) < 1e-12 for r in logged.values())
+    # The denominator policy acts on random-feature cores only; linear's is not one here.
+    assert [f"telemetry/layer{i}/denominator_engaged" in rows[0] for i in range(3)] == [
+        True,
+        True,
+        False,
+    ]
     # pre-SBN bounds the logits of layer 0 by 1/√d
-    assert max(abs(float(r["telemetry/layer0/logit_max"])) for r in logged) <= 8**-0.5 + 1e-6
+    assert (
+        max(abs(float(r["telemetry/layer0/logit_max"])) for r in logged.values()) <= 8**-0.5 + 1e-6
+    )

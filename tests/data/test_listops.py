@@ -2,8 +2,8 @@
 
 Labels are checked against an independent evaluator of LRA's pair form (LRA's ``to_value``
 semantics, written afresh here). Lengths are checked against the exact length
-distribution of LRA's generator, computed here by dynamic programming from SPEC §3.1, and
-labels against SPEC's frequencies; tolerances are 4 standard errors of the sample size.
+distribution of LRA's generator, computed here by dynamic programming from docs/data.md §4, and
+labels against the frequencies stated there; tolerances are 4 standard errors of the sample size.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def sample() -> list[tuple[str, int]]:
 
 
 def test_exact_distribution_matches_spec(exact):
-    # SPEC: "about 8 % of trees are accepted". Its "median length ≈ 980" is not what the
-    # generator it describes gives: the exact median is 954 (951 measured on 100k trees).
+    # docs/data.md §4: about 8 % of trees are kept. The often-quoted "median length ≈ 980"
+    # is not what LRA's generator gives: the exact median is 954 (951 measured on 100k trees).
     assert 0.075 < exact["acceptance"] < 0.09
     assert exact["median"] == 954
 
@@ -157,7 +157,7 @@ def test_label_distribution_matches_spec(sample):
     labels = np.array([y for _, y in sample])
     n = len(labels)
     share = np.bincount(labels, minlength=10) / n
-    # SPEC: labels 0 and 9 each about 17 %, the majority class about 17.5 %.
+    # docs/data.md §4: labels 0 and 9 each about 17 %, the majority class about 17.5 %.
     assert set(np.argsort(share)[-2:]) == {0, 9}
     for value, expected in ((share[0], 0.17), (share[9], 0.17), (share.max(), 0.175)):
         assert abs(value - expected) < Z * np.sqrt(expected * (1 - expected) / n)

@@ -10,10 +10,16 @@ examples (Lightning's ``sync_dist`` mean then divides by a truncated example cou
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 from ddp_probe import fit_on_two_then_test_on_one, metric, read_rows, stage_metrics
+from sacrebleu.metrics import BLEU
+
+from macformer_lit.tasks.translator import LitTranslator
 
 LISTOPS = [
     "--config",
@@ -152,16 +158,59 @@ def test_ddp_listops_test_metrics_equal_one_process(listops_runs):
     assert math.isclose(float(two["test/loss"]), float(one["test/loss"]), rel_tol=1e-6)
 
 
-def test_ddp_translation_test_metrics_equal_one_process(tmp_path):
-    fit_dir, one_dir = fit_on_two_then_test_on_one(
-        tmp_path, TRANSLATION, tmp_path / "data", "disabled"
-    )
+class ClippedTranslator(LitTranslator):
+    """Importable by the CLI subprocesses (this folder is on their PYTHONPATH). Its
+    "translation" of a test sentence is the reference with every sixth word dropped, so
+    test BLEU is far from 0 and known in closed form, whichever rank decodes the sentence;
+    the (reference, hypothesis) pairs each rank scored are saved to
+    ``$EVAL_PROBE_DIR/world<w>_rank<r>.pt``. Loss and perplexity still come from the model."""
+
+    def _score(self, batch, stage):
+        if stage != "test":
+            return super()._score(batch, stage)
+        pairs = [(ref, clip(ref)) for ref in batch["tgt_text"]]
+        self._pairs = getattr(self, "_pairs", []) + pairs
+        self.translate = lambda batch: [hyp for _, hyp in pairs]  # for this batch only
+        try:
+            super()._score(batch, stage)
+        finally:
+            del self.translate
+
+    def on_test_epoch_end(self):
+        super().on_test_epoch_end()
+        out = Path(os.environ["EVAL_PROBE_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"world{self.trainer.world_size}_rank{self.trainer.global_rank}.pt"
+        torch.save(getattr(self, "_pairs", []), out / name)
+
+
+def clip(sentence: str) -> str:
+    return " ".join(w for i, w in enumerate(sentence.split()) if i % 6 != 5)
+
+
+def test_ddp_translation_test_metrics_equal_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVAL_PROBE_DIR", str(tmp_path / "probe"))
+    base = [*TRANSLATION, "--model.class_path", "test_ddp_eval.ClippedTranslator"]
+    fit_dir, one_dir = fit_on_two_then_test_on_one(tmp_path, base, tmp_path / "data", "disabled")
     two, one = stage_metrics(fit_dir), stage_metrics(one_dir)
     assert {"test/loss", "test/ppl", "test/bleu", "test/bleu_tok"} <= set(one)
     assert set(two) == set(one)
-    # Six steps leave BLEU at 0 (too short to learn the grammar within this file's time
-    # budget): BLEU is compared, loss and perplexity carry the check.
     assert 1.0 < float(one["test/ppl"]) < 1e4
-    for key in one:
-        # BLEU from summed n-gram counts: equal unless a decoded sentence changed.
-        assert math.isclose(float(two[key]), float(one[key]), rel_tol=1e-5), key
+    # The ranks scored disjoint halves that together are the one process's test set, once.
+    ranks = [torch.load(tmp_path / f"probe/world2_rank{r}.pt") for r in (0, 1)]
+    single = torch.load(tmp_path / "probe/world1_rank0.pt")
+    assert len(single) == 13 and all(ranks)
+    assert sorted(ranks[0] + ranks[1]) == sorted(single)
+    refs, hyps = [r for r, _ in single], [h for _, h in single]
+    expected = {
+        "test/bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+        "test/bleu_tok": BLEU(lowercase=True, tokenize="intl").corpus_score(hyps, [refs]).score,
+    }
+    # Far from 0 and from 100 (62.4), so that a rank's n-gram counts missing from the sum, or
+    # counted twice, would move it.
+    assert 30 < expected["test/bleu"] < 90
+    for key, value in expected.items():
+        assert math.isclose(float(one[key]), value, rel_tol=1e-5), (key, one[key], value)
+        assert math.isclose(float(two[key]), value, rel_tol=1e-5), (key, two[key], value)
+    assert math.isclose(float(two["test/loss"]), float(one["test/loss"]), rel_tol=1e-5)
+    assert math.isclose(float(two["test/ppl"]), float(one["test/ppl"]), rel_tol=1e-5)

@@ -1,6 +1,6 @@
 """Under DDP (2 gloo processes, through the CLI), random features are identical on every
 rank after every redraw, and pre-SBN running statistics are identical on both ranks
-(SPEC §1.4, §1.6), with DDP's own buffer broadcast switched off so that it cannot hide a
+(docs/maths.md §5.6, §10.1), with DDP's own buffer broadcast switched off so that it cannot hide a
 difference. ``ddp_probe.StateDump`` saves each rank's state after every training batch.
 """
 

@@ -31,7 +31,14 @@ def _fixtures(task: str, data: Path) -> list[str]:
     if task == "retrieval":  # 3 validation and 3 test pairs
         pair = ("1.0", "a", "b", "first doc", "second doc")
         rows = {"train": [pair, pair[:1] + pair[1:3] + ("x", "y")], "eval": [pair] * 3}
-        _writer("test_retrieval", "write_tsv")(data, rows={**rows, "test": [pair] * 3})
+        # Three different test pairs (labels, lengths, bytes), so that scoring one twice or
+        # dropping one changes the mean loss.
+        test = [
+            pair,
+            ("0.0", "c", "d", "a much longer third document", "x"),
+            ("1.0", "e", "f", "zz zz", "quite another text here"),
+        ]
+        _writer("test_retrieval", "write_tsv")(data, rows={**rows, "test": test})
         return ["--config", "lra_retrieval.yaml"]
     if task == "image":  # 5 x 5 training images, 5 test images
         _writer("test_image", "write_cifar")(data, per_batch=5)

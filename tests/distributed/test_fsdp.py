@@ -48,13 +48,14 @@ TRANSLATION = [
     "1",
     "--model.init_args.ffn_dim",
     "32",
+    # A budget that grows with the source (0.5 tokens per source token + 2): this tiny model,
+    # barely trained, says much the same to every source, so the translations differ by
+    # their lengths at least, and a sentence decoded with another's budget shows.
     "--model.init_args.max_len_a",
-    "0",
+    "0.5",
     "--model.init_args.max_len_b",
-    "8",
-    # Untied embeddings and a small step keep the decoder close to its random start, where
-    # greedy translations still differ between sentences (tied, or trained further, this
-    # tiny model says the same thing to every source).
+    "2",
+    # Untied embeddings and a small step keep the decoder close to its random start.
     "--model.init_args.tie_embeddings",
     "false",
     "--model.init_args.share_embeddings",
@@ -113,18 +114,20 @@ class FSDPProbe(L.Callback):
         self.state["grad_norms"].append(float(sq.sqrt()))
 
     def on_test_start(self, trainer, pl_module) -> None:
-        generate = pl_module.model.generate
+        # The translations as scored (after each sentence's own length budget).
+        translate = pl_module.translate
 
-        def recording(src_ids, src_padding_mask=None, **kwargs):
-            hypotheses = generate(src_ids, src_padding_mask, **kwargs)
-            sources = [tuple(row[mask].tolist()) for row, mask in zip(src_ids, src_padding_mask)]
+        def recording(batch):
+            hypotheses = translate(batch)
+            src_ids, mask = batch["src_ids"], batch["src_padding_mask"]
+            sources = [tuple(row[m].tolist()) for row, m in zip(src_ids, mask)]
             self.state["translations"] += list(zip(sources, hypotheses))
             return hypotheses
 
-        pl_module.model.generate = recording
+        pl_module.translate = recording
 
     def on_test_end(self, trainer, pl_module) -> None:
-        del pl_module.model.generate
+        del pl_module.translate
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(self.state, self.out / f"rank{trainer.global_rank}.pt")
 

@@ -85,6 +85,15 @@ def test_bad_arguments():
             LitTranslator(**args, **bad)
 
 
+def _assert_bleu_of(result, hyps, refs) -> float:
+    """The logged test/bleu and test/bleu_tok are sacreBLEU's corpus scores of these strings."""
+    bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
+    bleu_tok = sacrebleu.BLEU(lowercase=True, tokenize="intl").corpus_score(hyps, [refs]).score
+    assert result["test/bleu"] == pytest.approx(bleu, rel=1e-6)
+    assert result["test/bleu_tok"] == pytest.approx(bleu_tok, rel=1e-6)
+    return bleu
+
+
 def test_fit_logs_ppl_bleu_signatures_and_a_wandb_table(tmp_path):
     L.seed_everything(0)
     dm = SyntheticTranslationDataModule(data_dir=str(tmp_path / "data"), **TINY_DATA)
@@ -115,8 +124,34 @@ def test_fit_logs_ppl_bleu_signatures_and_a_wandb_table(tmp_path):
     (result,) = trainer.test(model, datamodule=dm, verbose=False)
     translations = trainer.predict(model, datamodule=dm)
     assert len(translations[0]["translations"]) == len(translations[0]["sources"])
-    wandb_logger.experiment.finish()
     assert set(result) >= {"test/loss", "test/ppl", "test/bleu", "test/bleu_tok"}
+    # The logged scores are those of the strings the model decodes, over the whole test set.
+    model.eval()
+    hyps, refs = [], []
+    for batch in dm.test_dataloader():
+        hyps += model.translate(batch)
+        refs += list(batch["tgt_text"])
+    assert len(refs) == TINY_DATA["test_size"]
+    _assert_bleu_of(result, hyps, refs)
+    # Two epochs leave that BLEU at 0, which a lost batch would not move. Score known strings
+    # instead (each reference with every sixth word dropped, BLEU 62) in batches of 5, so the
+    # logged value is a corpus BLEU summed over four batches, the last one short.
+    known = {}
+
+    def clipped(batch):
+        out = [
+            " ".join(w for i, w in enumerate(r.split()) if i % 6 != 5) for r in batch["tgt_text"]
+        ]
+        known.update(zip(batch["tgt_text"], out))
+        return out
+
+    model.translate, dm.eval_batch_size = clipped, 5
+    (again,) = trainer.test(model, datamodule=dm, verbose=False)
+    del model.translate
+    dm.eval_batch_size = TINY_DATA["batch_size"]
+    assert list(known) == refs  # the same test set, in the same order
+    assert 30 < _assert_bleu_of(again, list(known.values()), refs) < 90
+    wandb_logger.experiment.finish()
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
     val = [(float(r["val/loss"]), float(r["val/ppl"])) for r in rows if r.get("val/loss")]
     assert len(val) == 2 and val[1][0] < val[0][0]
