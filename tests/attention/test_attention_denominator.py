@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from macformer_lit.attention import DENOMINATOR_POLICIES, build_attention
-from macformer_lit.attention.reference import reference_forward, uniform_attention
+from macformer_lit.attention.reference import (
+    reference_forward,
+    rmf_features,
+    uniform_attention,
+)
 
 
 def _hard_case():
@@ -14,6 +18,22 @@ def _hard_case():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64) * 2 for _ in range(3))
     return q, k, v
+
+
+def _engaged_rate(attn, q, k, causal):
+    """Fraction of query rows whose float64 reference denominator φ(q_i)·Σ_j φ(k_j) is not above
+    eps·(visible keys), the rows the policy acts on; none lies within rounding of it."""
+    s = attn.head_dim**-0.25
+    phi_q, phi_k = rmf_features(attn, q * s), rmf_features(attn, k * s)
+    scores = phi_q @ phi_k.transpose(-1, -2)
+    if causal:
+        scores = scores.tril()
+    den = scores.sum(-1)
+    threshold = attn.denominator_eps * torch.arange(1, q.shape[2] + 1, dtype=den.dtype)
+    if not causal:
+        threshold = torch.full_like(threshold, attn.denominator_eps * k.shape[2])
+    assert float((den - threshold).abs().min()) > 1e-9 * float(den.abs().max())
+    return float((den <= threshold).double().mean())
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -25,7 +45,9 @@ def test_policies_match_reference_and_report_engagement(policy, causal):
     attn = attn.double()
     attn.collect_stats = True
     out = attn(q, k, v, causal=causal)
-    assert float(attn.last_stats["denominator_engaged"]) > 0.05
+    expected_rate = _engaged_rate(attn, q, k, causal)
+    assert 0.05 < expected_rate < 1  # the hard case engages the policy on some rows, not all
+    assert float(attn.last_stats["denominator_engaged"]) == pytest.approx(expected_rate, rel=1e-6)
     expected = reference_forward(attn, q, k, v, causal=causal)
     torch.testing.assert_close(out, expected, rtol=1e-7, atol=1e-9, equal_nan=True)
     if policy != "none":

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from macformer_lit.attention.reference import rmf_features
 from macformer_lit.callbacks.nan_guard import NaNGuard
 from macformer_lit.data.common import PadCollate, SequenceDataset
 from macformer_lit.tasks import LitClassifier
@@ -33,7 +34,7 @@ class WatchBadStep(L.Callback):
             )
 
 
-def run(tmp_path, action, attention=None, logger=False):
+def run(tmp_path, action, attention=None, logger=False, callbacks=()):
     L.seed_everything(0)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, 12, (8,), generator=g).numpy() for _ in range(32)]
@@ -62,7 +63,7 @@ def run(tmp_path, action, attention=None, logger=False):
         enable_model_summary=False,
         default_root_dir=tmp_path,
         accelerator="cpu",
-        callbacks=[guard, watch],
+        callbacks=[guard, watch, *callbacks],
     )
     trainer.fit(model, data)
     return model, guard, watch, trainer
@@ -92,19 +93,47 @@ def test_bad_action_is_refused():
         NaNGuard(action="ignore")
 
 
+class CaptureCore(L.Callback):
+    """The inputs of the RMFA core (inside pre-SBN) in the training forward of BAD_STEP."""
+
+    def setup(self, trainer, pl_module, stage):
+        inner = pl_module.model.encoder.blocks[0].attn.backend.inner
+
+        def hook(module, args, kwargs, output):
+            if module.training and trainer.global_step == BAD_STEP:
+                q, k = (t.detach().clone() for t in args[:2])
+                self.inputs = (module, q, k, kwargs.get("key_padding_mask"))
+
+        inner.register_forward_hook(hook, with_kwargs=True)
+
+
 def test_feature_backends_report_features_and_denominators_and_log_them(tmp_path):
     rmfa = {"name": "rmfa", "kernel": "exp", "num_features": 16, "pre_sbn": True}
     csv = L.pytorch.loggers.CSVLogger(tmp_path, name="", version="")
+    capture = CaptureCore()
     with pytest.raises(FloatingPointError):
-        run(tmp_path, "stop", attention=rmfa, logger=csv)
+        run(tmp_path, "stop", attention=rmfa, logger=csv, callbacks=[capture])
     report = json.loads((tmp_path / "nan_forensics/step2/report.json").read_text())
     core = report["attention"]["model.encoder.blocks.0.attn.backend.inner"]
     # Finite features from a finite forward: the NaN came from the loss.
     assert 0 < core["max_abs_feature_q"] < float("inf")
     assert 0 < core["max_abs_feature_k"] < float("inf")
     assert core["min_abs_denominator"] >= 0 and core["denominators_nonfinite"] == 0
-    # 2 heads x 8 positions x 4 examples rows, some of RMF's signed estimates may be <= 0.
-    assert 0 <= core["denominators_nonpositive"] <= 64
+    # The denominators φ(q_i)·Σ_j φ(k_j) recomputed in float64 with the reference feature
+    # map on the core's inputs of the bad step: 2 heads x 8 positions x 4 examples.
+    inner, q, k, mask = capture.inputs
+    s = inner.head_dim**-0.25
+    phi_q, phi_k = (rmf_features(inner, x.double() * s) for x in (q, k))
+    if mask is not None:
+        phi_k = phi_k * mask[:, None, :, None]
+    den = (phi_q * phi_k.sum(2, keepdim=True)).sum(-1)
+    assert den.numel() == 64
+    # None so close to 0 that float32 rounding could flip its sign: the count is exact.
+    assert float(den.abs().min()) > 1e-3 * float(den.abs().max())
+    # After pre-SBN every denominator is near a₀·n = 8 (6.7 to 9.2 here): none is ≤ 0; signed
+    # ones are counted in test_diagnose_counts_the_signed_denominators_of_bare_rmfa.
+    assert core["denominators_nonpositive"] == int((den <= 0).sum()) == 0
+    assert core["min_abs_denominator"] == pytest.approx(float(den.abs().min()), rel=1e-5)
     # The ppSBN wrapper itself has no feature map.
     assert "max_abs_feature_q" not in report["attention"]["model.encoder.blocks.0.attn.backend"]
     csv.save()
@@ -134,3 +163,26 @@ def test_diagnose_gives_the_denominators_of_the_forward():
         assert stats["min_abs_denominator"] == pytest.approx(float(pairs.sum(-1).min()), rel=1e-5)
         assert stats["max_abs_feature_q"] == pytest.approx(float(phi_q.max()), rel=1e-6)
         assert stats["denominators_nonpositive"] == stats["denominators_nonfinite"] == 0
+
+
+def test_diagnose_counts_the_signed_denominators_of_bare_rmfa():
+    """Without pre-SBN, RMF's signed estimates of the denominator go ≤ 0: the count against the
+    float64 reference feature map (diagnose works in the forward's rescaled feature space,
+    a positive constant per (batch, head) that keeps every sign but not the magnitude)."""
+    from macformer_lit.attention import build_attention
+
+    torch.manual_seed(2)  # a draw with 18 non-positive of 48 denominators, 22 when causal
+    attn = build_attention("rmfa", head_dim=8, num_heads=2, num_features=16)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
+    mask = torch.tensor([[True] * 12, [True] * 9 + [False] * 3])
+    s = 8**-0.25
+    phi_q, phi_k = (rmf_features(attn, x.double() * s) for x in (q, k))
+    phi_k = phi_k * mask[:, None, :, None]
+    for causal in (False, True):
+        sums = phi_k.cumsum(2) if causal else phi_k.sum(2, keepdim=True)
+        den = (phi_q * sums).sum(-1)
+        assert float(den.abs().min()) > 1e-4 * float(den.abs().max())  # no sign within rounding
+        stats = attn.diagnose(q, k, v, key_padding_mask=mask, causal=causal)
+        assert stats["denominators_nonpositive"] == int((den <= 0).sum())
+        assert 0 < stats["denominators_nonpositive"] < den.numel()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.cli import (
@@ -123,10 +124,14 @@ def test_every_task_config_parses_and_instantiates(name, tmp_path):
         ],
         run=False,
     )
-    # The DataModule's facts reach the model through the CLI links.
-    for key in ("vocab_size", "max_len", "pad_id"):
-        if hasattr(cli.datamodule, key) and key in cli.model.hparams:
-            assert cli.model.hparams[key] == getattr(cli.datamodule, key)
+    # The DataModule's facts reach the model through the CLI links: every one, for each task.
+    if type(cli.model).__name__ == "LitTranslator":
+        linked = ("vocab_size", "max_len", "pad_id", "bos_id", "eos_id")
+    else:
+        assert type(cli.model).__name__ == "LitClassifier", type(cli.model)
+        linked = ("vocab_size", "max_len", "pad_id", "num_classes")
+    for key in linked:
+        assert cli.model.hparams[key] == getattr(cli.datamodule, key), key
 
 
 @pytest.mark.parametrize("name", ATTENTION_CONFIGS)
@@ -136,7 +141,11 @@ def test_every_attention_config_composes_with_a_task(name, tmp_path):
         run=False,
     )
     spec = cli.model.hparams["attention"]
-    assert spec["name"] in name.split(".")[0]
+    # The backend is the file name's first word (rmfa_exp_h01 -> rmfa), and every setting in
+    # the file reaches the model unchanged.
+    assert spec["name"] == name.split(".")[0].split("_")[0]
+    shipped = yaml.safe_load((CONFIG_DIR / "attention" / name).read_text())["model"]["attention"]
+    assert {key: spec[key] for key in shipped} == shipped
 
 
 def test_dotted_override_and_links(tmp_path):

@@ -77,20 +77,14 @@ def test_source_padding_is_ignored():
     torch.testing.assert_close(alone, base[1:2], atol=1e-5, rtol=1e-5)
 
 
-def attention_specs():
-    """Every registered backend with its default options, and ppSBN around some."""
-    specs = []
-    for name in sorted(BACKENDS):
-        for extra in ({}, {"pre_sbn": True, "post_sbn": True}):
-            try:
-                make(attention={"name": name, **extra})
-            except (ValueError, TypeError):
-                continue  # needs options, e.g. pre-SBN for a restricted-domain kernel
-            specs.append({"name": name, **extra})
-    return specs
-
-
-SPECS = attention_specs()
+# Every registered backend with its default options, bare and in ppSBN. All of them build
+# with their defaults (the default kernel, exp, needs no pre-SBN): one that raises fails its
+# tests instead of leaving the parametrisation.
+SPECS = [
+    {"name": name, **extra}
+    for name in sorted(BACKENDS)
+    for extra in ({}, {"pre_sbn": True, "post_sbn": True})
+]
 
 
 def spec_id(spec):
@@ -99,7 +93,9 @@ def spec_id(spec):
 
 @pytest.mark.parametrize("spec", SPECS, ids=spec_id)
 def test_step_by_step_decoding_equals_the_full_pass(spec):
-    model = make(attention=spec)
+    """The same maths in another order: in float64 they differ by rounding only (measured at
+    most 4.5e-15 on logits of size 5; float32 gives up to 2.8e-6)."""
+    model = make(attention=spec).double()
     src, src_mask, tgt = batch()
     full = model(src, src_mask, tgt)
     state = model.start(model.encode(src, src_mask), src_mask)
@@ -107,7 +103,7 @@ def test_step_by_step_decoding_equals_the_full_pass(spec):
     for t in range(tgt.shape[1]):
         logits, state = model.step(tgt[:, t], state)
         steps.append(logits)
-    torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(steps, 1), full, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.get("pre_sbn")], ids=spec_id)
