@@ -18,6 +18,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Literal
 
 # Lightning 2.6 still calls deprecated jsonargparse APIs; the warnings only confuse users.
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
@@ -58,6 +59,7 @@ from macformer_lit.checkpoints import (  # noqa: E402
     resolve_ckpt_path,
 )
 from macformer_lit.loggers import AutoWandbLogger, Mode, RunCSVLogger  # noqa: E402
+from macformer_lit.models.dropout import set_mask_generator  # noqa: E402
 
 # Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
@@ -225,6 +227,14 @@ class MacformerCLI(LightningCLI):
             default=True,
             help="After fit, test the best checkpoint and print test accuracy.",
         )
+        parser.add_argument(
+            "--dropout_masks",
+            type=Literal["fast", "torch"],
+            default="fast",
+            help="How dropout draws its masks on the CPU: fast (four masks per 64-bit draw, p "
+            "rounded to a multiple of 2^-16) or torch (nn.Dropout's Bernoulli masks, 4x slower; "
+            "runs recorded before 2026-11-25 used them: replay those with torch).",
+        )
         parser.add_argument("--wandb_mode", type=Mode, default="auto", help="W&B mode.")
         parser.add_argument("--wandb_project", type=str, default="macformer_lit")
 
@@ -288,6 +298,7 @@ class MacformerCLI(LightningCLI):
                 os.environ[RUN_DIR_ENV] = str(self.run_dir)
         self.experiment = experiment
         self._check_attention(cfg)
+        set_mask_generator(cfg.get("dropout_masks") or "fast")
 
     def _check_attention(self, cfg) -> None:
         """Every ``*attention`` spec of the model, checked at parse time (attention/spec.py)."""

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from macformer_lit.cli import main
 
@@ -37,9 +38,13 @@ def test_first_steps_of_a_committed_run_replay(tmp_path, run):
     folder = RESULTS / run
     expected = logged_losses(folder / "metrics.csv", STEPS)
     assert len(expected) >= 2, f"{folder} logged no training loss before step {STEPS}"
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    # Runs recorded before --dropout_masks existed drew torch's Bernoulli masks.
+    masks = [] if "dropout_masks" in config else ["--dropout_masks", "torch"]
     main(
         [
             "fit",
+            *masks,
             "--config",
             str(folder / "config.yaml"),
             "--trainer.max_steps",

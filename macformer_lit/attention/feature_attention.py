@@ -221,9 +221,12 @@ class FeatureAttention(AttentionBackend):
         out = num / den
         # The fallback is uniform attention over the visible keys, which every kernel tends to
         # after pre-SBN. Rows needing it are rare: on the CPU ``bad.any()`` is free, so the
-        # means are built only then; on an accelerator it would be a host sync, so they are
-        # always built (same values: ``where`` picks the same entries either way).
-        if self.denominator == "fallback" and (out.device.type != "cpu" or bool(bad.any())):
+        # means are built only then; on an accelerator it would be a host sync, and under
+        # torch.compile a graph break, so they are always built (same values: ``where``
+        # picks the same entries either way).
+        if self.denominator == "fallback" and (
+            out.device.type != "cpu" or torch.compiler.is_compiling() or bool(bad.any())
+        ):
             sums = visible_sums()
             mean = sums[..., :-1] / sums[..., -1:].clamp_min(1.0)
             out = torch.where(bad, mean, out)

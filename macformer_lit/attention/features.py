@@ -146,6 +146,12 @@ class MaclaurinMap(torch.autograd.Function):
         xf, wf, folded = _fold(x, omega)
         flat = torch.matmul(wf, xf.transpose(-1, -2))  # (..., S, G·L)
         proj = _unfold(flat, x.shape, folded)  # (..., S, L), a view of flat
+        ctx.save_for_backward(wf, flat)
+        ctx.layout = (c0, s1, groups, folded, x.shape)
+        if torch.compiler.is_compiling():
+            # Traced: out-of-place products (``out=`` into slices breaks the graph), which
+            # the compiler fuses anyway.
+            return _map_rows(proj, const, s1, groups)
         rows = c0 + s1 + sum(c for _, c in groups)
         phi = proj.new_empty(*proj.shape[:-2], rows, proj.shape[-1])
         if c0:
@@ -158,8 +164,6 @@ class MaclaurinMap(torch.autograd.Function):
             for j in range(2, n):
                 out.mul_(proj[..., off + j * c : off + (j + 1) * c, :])
             row, off = row + c, off + n * c
-        ctx.save_for_backward(wf, flat)
-        ctx.layout = (c0, s1, groups, folded, x.shape)
         return phi
 
     @staticmethod
@@ -167,6 +171,12 @@ class MaclaurinMap(torch.autograd.Function):
         wf, flat = ctx.saved_tensors
         c0, s1, groups, folded, shape = ctx.layout
         proj = _unfold(flat, shape, folded)
+        if torch.compiler.is_compiling():
+            dflat = _map_rows_backward(grad, proj, c0, s1, groups, flat.shape, folded)
+            dx = torch.matmul(dflat.transpose(-1, -2), wf)
+            if folded:
+                dx = dx.view(*dx.shape[:-2], *shape[-2 - folded :])
+            return dx, None, None, None
         dflat = torch.empty_like(flat)
         dproj = _unfold(dflat, shape, folded)
         dproj[..., :s1, :] = grad[..., c0 : c0 + s1, :]
@@ -189,6 +199,46 @@ class MaclaurinMap(torch.autograd.Function):
         if folded:
             dx = dx.view(*dx.shape[:-2], *shape[-2 - folded :])
         return dx, None, None, None
+
+
+def _map_rows(proj, const, s1, groups):
+    """MaclaurinMap's forward without ``out=``: [const, degree-1 rows, group products]."""
+    parts = []
+    if const is not None:
+        parts.append(torch.ones_like(proj[..., :1, :]) * const)
+    parts.append(proj[..., :s1, :])
+    off = s1
+    for n, c in groups:
+        prod = proj[..., off : off + c, :]
+        for j in range(1, n):
+            prod = prod * proj[..., off + j * c : off + (j + 1) * c, :]
+        parts.append(prod)
+        off += n * c
+    return torch.cat(parts, dim=-2)
+
+
+def _map_rows_backward(grad, proj, c0, s1, groups, flat_shape, folded):
+    """MaclaurinMap's backward without in-place writes: ∂/∂proj as one (..., S, G·L) tensor."""
+    parts = [grad[..., c0 : c0 + s1, :]]
+    row, off = c0 + s1, s1
+    for n, c in groups:
+        g = grad[..., row : row + c, :]
+        f = [proj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
+        for j in range(n):
+            d = g
+            for i in range(n):
+                if i != j:
+                    d = d * f[i]
+            parts.append(d)
+        row, off = row + c, off + n * c
+    dproj = torch.cat(parts, dim=-2)
+    return _refold(dproj, flat_shape, folded) if folded else dproj
+
+
+def _refold(t, flat_shape, folded):
+    """Inverse of ``_unfold``: (..., G, S, L) -> (..., S, G·L)."""
+    batch_dims = t.dim() - 2 - folded
+    return t.movedim(-2, batch_dims).reshape(flat_shape)
 
 
 def sample_orthogonal_gaussian(

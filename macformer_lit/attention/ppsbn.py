@@ -39,6 +39,83 @@ def _all_reduce(t: torch.Tensor, differentiable: bool) -> torch.Tensor:
     return t
 
 
+def _masked_total(t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """Σ over batch and positions of (B, H, L, d), rows weighted by w: (H, 1, d)."""
+    return (t if w is None else t * w).sum(2).sum(0)[:, None]
+
+
+class _BatchStandardiseNormalise(torch.autograd.Function):
+    """Pre-SBN with batch statistics in few passes: z = (x − μ)/σ per (head, channel) over the
+    batch and the real positions (μ, σ² of this batch, summed over DDP ranks), y = z/‖z‖ per
+    row. Autograd through the same steps made ~20 elementwise passes forward and backward;
+    the backward here is the closed form (BatchNorm's, then the row normalisation's), with
+    the two per-channel sums of the batch-norm backward reduced over ranks like the forward's.
+    Saves y and ‖z‖ only."""
+
+    @staticmethod
+    def forward(ctx, x, w, n, eps):
+        # x (B, H, L, d); w None or the (B, 1, L, 1) mask of real rows; n their count.
+        mean = _all_reduce(_masked_total(x, w), False) / n
+        var = _all_reduce(_masked_total((x - mean).square_(), w), False) / n
+        inv_std = torch.rsqrt(var + eps)
+        z = torch.addcmul(-mean * inv_std, x, inv_std)
+        norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min_(1e-12)
+        y = z.div_(norm)
+        ctx.save_for_backward(y, norm, inv_std, w, n)
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx, gy, _gmean, _gvar):
+        y, norm, inv_std, w, n = ctx.saved_tensors
+        # Row normalisation: gz = (gy − y⟨y, gy⟩)/‖z‖.
+        dot = torch.linalg.vecdot(y, gy).unsqueeze(-1)
+        gz = torch.addcmul(gy, y, dot, value=-1.0).div_(norm)
+        # Batch norm: gx = (gz − w·(Σ gz + ẑ·Σ gz·ẑ)/n)/σ with ẑ = (x − μ)/σ = y‖z‖. μ and σ
+        # come from the real rows (w = 1) only, but every row, padded ones included, is
+        # standardised with them, so the sums run over all rows and the correction reaches
+        # the real rows only.
+        zhat = y * norm
+        sums = torch.cat([gz.sum(2).sum(0), (gz * zhat).sum(2).sum(0)])  # (2H, d)
+        sums = _all_reduce(sums, False) / n
+        mean_g, mean_gz = sums.view(2, -1, 1, sums.shape[-1]).unbind(0)
+        corr = torch.addcmul(mean_g, zhat, mean_gz)
+        if w is not None:
+            corr = corr * w
+        gx = (gz - corr).mul_(inv_std)
+        return gx, None, None, None
+
+
+class _PostSBN(torch.autograd.Function):
+    """sign(y)·|y|^β with y = γ·out, as y·exp((β−1)·log|y|). The cost is the transcendental
+    functions, not memory passes (on a 2-core AVX2 CPU one log or exp of a (32, 2, 1000, 32)
+    tensor takes ~10 ms, ``pow`` with a tensor exponent ~40): autograd's ``pow`` ran three of
+    them forward and backward; here one log and one exp forward, one exp backward, and
+    log|y| is kept for the backward pass."""
+
+    @staticmethod
+    def forward(ctx, out, gamma, log_beta):
+        beta = log_beta.exp()
+        y = gamma * out
+        log_abs = y.abs().clamp_min_(torch.finfo(y.dtype).tiny).log_()
+        result = y.mul_(log_abs.mul(beta - 1.0).exp_())
+        ctx.save_for_backward(out, log_abs, gamma, log_beta)
+        return result
+
+    @staticmethod
+    def backward(ctx, g):
+        out, log_abs, gamma, log_beta = ctx.saved_tensors
+        beta = log_beta.exp()
+        gp = log_abs.mul(beta - 1.0).exp_().mul_(g)  # g·|y|^(β−1)
+        # ∂r/∂y = β|y|^(β−1); ∂r/∂β = r·log|y| = γ·out·|y|^(β−1)·log|y|; ∂/∂log β = β·∂/∂β.
+        g_out = gp * (beta * gamma)
+        reduce = tuple(range(g.dim() - 3))  # leading dims that (H, 1, d) broadcasts over
+        t = gp.mul_(out)
+        g_gamma = t.sum(reduce).sum(-2, keepdim=True) * beta
+        g_log_beta = t.mul_(log_abs).sum(reduce).sum(-2, keepdim=True) * (beta * gamma)
+        return g_out, g_gamma, g_log_beta
+
+
 class PPSBNAttention(AttentionBackend):
     def __init__(
         self,
@@ -96,23 +173,17 @@ class PPSBNAttention(AttentionBackend):
         bound = math.log(self.temperature_max)
         return torch.exp(bound * torch.tanh(self.temperature_logit / bound))
 
-    def _standardise(self, x, mask, which: int, running: bool, update: bool):
+    def _standardise(self, x, mask, which: int, update: bool):
         if self.stats == "row":
             x = x - x.mean(-1, keepdim=True)
             return x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.eps)
-        if running:
-            # Copies: the update below is in place.
-            mean = self.running_mean[which][:, None].clone()
-            var = self.running_var[which][:, None].clone()
+        # Running estimates (evaluation, and causal training); training on batch statistics
+        # takes _BatchStandardiseNormalise instead. Copies: the update below is in place.
+        mean = self.running_mean[which][:, None].clone()
+        var = self.running_var[which][:, None].clone()
         if update:
-            batch_mean, batch_var, n = self._moments(x, mask, differentiable=not running)
-            if not running:
-                mean, var = batch_mean, batch_var
-            with torch.no_grad():
-                unbiased = batch_var.detach() * n / (n - 1).clamp_min(1.0)
-                m = self.momentum
-                self.running_mean[which].lerp_(batch_mean.detach()[:, 0], m)
-                self.running_var[which].lerp_(unbiased[:, 0], m)
+            batch_mean, batch_var, n = self._moments(x, mask, differentiable=False)
+            self._update_running(which, batch_mean, batch_var, n)
         inv_std = torch.rsqrt(var + self.eps)
         return torch.addcmul(-mean * inv_std, x, inv_std)  # (x − μ)/σ in one pass
 
@@ -143,17 +214,38 @@ class PPSBNAttention(AttentionBackend):
         sq = total((x - mean.detach()).square())
         return mean, _all_reduce(sq, differentiable)[:, None] / n, n
 
+    def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool):
+        if self.stats == "batch" and not running:
+            # Training on batch statistics: the fused forward/backward (same numbers).
+            if mask is None:
+                w, n = None, x.new_tensor(float(x.shape[0] * x.shape[2]))
+            else:
+                w, n = mask[:, None, :, None].to(x.dtype), mask.sum().to(x.dtype)
+            n = _all_reduce(n, False).clamp_min(1.0)
+            # eps as a tensor: a Python float argument becomes symbolic under torch.compile's
+            # dynamic shapes, which autograd.Function tracing does not support.
+            eps = torch.full((), self.eps, dtype=x.dtype, device=x.device)
+            y, mean, var = _BatchStandardiseNormalise.apply(x, w, n, eps)
+            if update:
+                self._update_running(which, mean, var, n)
+            return y
+        return F.normalize(self._standardise(x, mask, which, update), dim=-1)
+
+    @torch.no_grad()
+    def _update_running(self, which: int, mean, var, n):
+        unbiased = var * n / (n - 1).clamp_min(1.0)
+        self.running_mean[which].lerp_(mean[:, 0], self.momentum)
+        self.running_var[which].lerp_(unbiased[:, 0], self.momentum)
+
     def _pre_sbn(self, q, k, q_mask, k_mask, running: bool, update: bool):
-        q = F.normalize(self._standardise(q, q_mask, 0, running, update), dim=-1)
-        k = F.normalize(self._standardise(k, k_mask, 1, running, update), dim=-1)
+        q = self._pre_sbn_one(q, q_mask, 0, running, update)
+        k = self._pre_sbn_one(k, k_mask, 1, running, update)
         if self.temperature_max is not None:
             q = q * self.temperature()
         return q, k
 
     def _post_sbn(self, out):
-        # sign(y)·|y|^β written as y·|y|^(β−1): fewer passes, and exactly y at β = 1.
-        y = self.gamma * out
-        return y * y.abs().clamp_min(torch.finfo(y.dtype).tiny).pow(self.log_beta.exp() - 1.0)
+        return _PostSBN.apply(out, self.gamma, self.log_beta)
 
     def forward(self, q, k, v, *, key_padding_mask=None, causal=False, query_padding_mask=None):
         check_inputs(

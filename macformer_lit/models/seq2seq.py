@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dropout import Dropout
 from .transformer import Encoder, FeedForward, MultiHeadAttention
 
 State = dict[str, Any]
@@ -50,7 +51,7 @@ class DecoderBlock(nn.Module):
         )
         self.ln_ffn = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(
         self,
@@ -175,7 +176,7 @@ class Seq2SeqTransformer(nn.Module):
             else nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         )
         self.pos_emb = nn.Embedding(max_len, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.blocks = nn.ModuleList(
             DecoderBlock(
                 d_model=d_model,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from macformer_lit.attention import build_attention
+from macformer_lit.models.dropout import Dropout
 
 
 def attention_spec(spec: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
@@ -97,7 +98,7 @@ class FeedForward(nn.Module):
         self.net = nn.Sequential(
             nn.Linear(d_model, ffn_dim),
             nn.GELU(),
-            nn.Dropout(dropout),
+            Dropout(dropout),
             nn.Linear(ffn_dim, d_model),
         )
 
@@ -122,7 +123,7 @@ class EncoderBlock(nn.Module):
         self.attn = MultiHeadAttention(d_model=d_model, num_heads=num_heads, attention=attention)
         self.ln_ffn = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.ln_attn(x), key_padding_mask=padding_mask))
@@ -171,7 +172,7 @@ class Encoder(nn.Module):
         self.token_emb = nn.Embedding(vocab_size, d_model)
         self.cls = nn.Parameter(torch.zeros(1, 1, d_model)) if cls_token else None
         self.pos_emb = nn.Embedding(max_len + int(cls_token), d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.blocks = nn.ModuleList(
             EncoderBlock(
                 d_model=d_model,

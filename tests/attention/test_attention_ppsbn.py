@@ -126,20 +126,26 @@ def test_restricted_kernel_temperature_bound():
     )
 
 
+def _weights(shape):
+    return torch.linspace(-1, 1, math.prod(shape), dtype=torch.float64).view(shape)
+
+
 def _ddp_worker(rank, port, q, k, v, mask, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         attn = build_attention("softmax", head_dim=D, num_heads=H, pre_sbn=True).double()
         shard = slice(rank * 2, rank * 2 + 2)
-        attn(
-            q[shard],
-            k[shard],
+        q_, k_ = (t[shard].clone().requires_grad_() for t in (q, k))
+        out = attn(
+            q_,
+            k_,
             v[shard],
             key_padding_mask=mask[shard],
             query_padding_mask=mask[shard],
         )
-        results[rank] = (attn.running_mean.clone(), attn.running_var.clone())
+        (out * _weights(q.shape)[shard]).sum().backward()
+        results[rank] = (attn.running_mean.clone(), attn.running_var.clone(), q_.grad, k_.grad)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -149,7 +155,9 @@ def test_statistics_are_synchronised_across_ranks():
     mask = torch.ones(4, 10, dtype=torch.bool)
     mask[3, 4:] = False
     single = build_attention("softmax", head_dim=D, num_heads=H, pre_sbn=True).double()
-    single(q, k, v, key_padding_mask=mask, query_padding_mask=mask)
+    q_, k_ = (t.clone().requires_grad_() for t in (q, k))
+    out = single(q_, k_, v, key_padding_mask=mask, query_padding_mask=mask)
+    (out * _weights(q.shape)).sum().backward()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -158,3 +166,58 @@ def test_statistics_are_synchronised_across_ranks():
     for rank in range(2):
         torch.testing.assert_close(results[rank][0], single.running_mean)
         torch.testing.assert_close(results[rank][1], single.running_var)
+        # The batch statistics couple the ranks' examples: a rank's gradient equals the
+        # single-process gradient of the whole batch only if the backward sums cross ranks.
+        shard = slice(rank * 2, rank * 2 + 2)
+        torch.testing.assert_close(results[rank][2], q_.grad[shard], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(results[rank][3], k_.grad[shard], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_pre_sbn_and_post_sbn_gradients_are_exact(masked):
+    """The hand-written backward passes of pre-SBN (batch statistics, row normalisation) and
+    post-SBN against finite differences, padded rows included, and γ, β against autograd
+    through the float64 reference."""
+    from macformer_lit.attention.ppsbn import _BatchStandardiseNormalise, _PostSBN
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, H, 7, D, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    if masked:
+        mask[1, 4:] = False
+        mask[2, 6:] = False
+    w = mask[:, None, :, None].double() if masked else None
+    n = mask.sum().double()
+
+    def pre(t):
+        return _BatchStandardiseNormalise.apply(t, w, n, 1e-13)[0]
+
+    assert torch.autograd.gradcheck(pre, (x,))
+    gamma = (torch.rand(H, 1, D, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    log_beta = (torch.rand(H, 1, D, generator=g, dtype=torch.float64) - 0.5) * 0.6
+    log_beta.requires_grad_()
+    assert torch.autograd.gradcheck(_PostSBN.apply, (x, gamma, log_beta))
+
+
+@pytest.mark.parametrize("name", ["softmax", "rmfa"])
+def test_ppsbn_parameter_gradients_match_reference(name):
+    from macformer_lit.attention.reference import reference_forward
+
+    attn = build_attention(
+        name, head_dim=D, num_heads=H, pre_sbn=True, post_sbn=True, temperature_max=2.0
+    ).double()
+    with torch.no_grad():
+        attn.gamma.uniform_(0.5, 1.5)
+        attn.log_beta.uniform_(-0.3, 0.3)
+        attn.temperature_logit.fill_(0.3)
+    q, k, v = _qkv(B=3, N=9)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[0, 5:] = False
+    grads = []
+    for fn in (lambda *a, **kw: reference_forward(attn, *a, **kw), attn):
+        attn.zero_grad()
+        out = fn(q, k, v, key_padding_mask=mask, query_padding_mask=mask)
+        (out * mask[:, None, :, None] * _weights(out.shape)).sum().backward()
+        grads.append([p.grad.clone() for p in (attn.gamma, attn.log_beta, attn.temperature_logit)])
+    for expected, actual, what in zip(*grads, ("gamma", "log_beta", "temperature")):
+        torch.testing.assert_close(actual, expected, rtol=1e-7, atol=1e-10, msg=what)

@@ -228,6 +228,8 @@ def test_tiny_fit_leaves_wandb_run_csv_and_checkpoints(tmp_path):
     assert any(r.get("test/acc") for r in rows)
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert "max_steps: 3" in (run / "config.yaml").read_text()
+    # The dropout mask generator is part of what a replay needs.
+    assert "dropout_masks: fast" in (run / "config.yaml").read_text()
     assert "test/acc = " in proc.stdout and "majority-class baseline" in proc.stdout
     assert "wandb sync" in proc.stdout
 

@@ -238,8 +238,17 @@ def test_fsdp_checkpoint_is_the_ddp_checkpoint(runs):
     assert fsdp_ckpt["global_step"] == ddp_ckpt["global_step"] == 6
     weights = fsdp_ckpt["state_dict"]
     assert weights.keys() == ddp_ckpt["state_dict"].keys()
+    # Softmax is invariant to a key bias (it adds q·b to every logit of a row), so the key
+    # projections' biases get a zero gradient plus rounding noise, which the two strategies
+    # sum in another order and Adam turns into steps of up to lr·(1−β1)/√(1−β2) (Kingma & Ba
+    # 2015, §2.1) in any direction: their bound is twice that budget over the six steps.
+    beta1, beta2 = 0.9, 0.98
+    noise_budget = 2 * 6 * 1e-4 * (1 - beta1) / math.sqrt(1 - beta2)
     for key, value in ddp_ckpt["state_dict"].items():
-        assert close(value.float(), weights[key].float()), key
+        if key.endswith("attn.k_proj.bias"):
+            assert float((value - weights[key]).abs().max()) <= noise_budget, key
+        else:
+            assert close(value.float(), weights[key].float()), key
     fsdp_opt, ddp_opt = fsdp_ckpt["optimizer_states"][0], ddp_ckpt["optimizer_states"][0]
     groups = [len(g["params"]) for g in ddp_opt["param_groups"]]
     assert [len(g["params"]) for g in fsdp_opt["param_groups"]] == groups and min(groups) > 0

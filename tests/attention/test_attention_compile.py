@@ -1,0 +1,96 @@
+"""Every backend (bare and ppSBN-wrapped) compiles as one graph, forward and backward, with
+no host synchronisation, and five sequence lengths cost one dynamic compile, not five.
+
+``aot_eager`` traces forward and backward exactly as inductor would receive them (AOTAutograd)
+without generating code, so the test sees graph breaks (``fullgraph=True`` raises on one) and
+recompiles; the compiled results equal eager ones. Tracing a backend takes 10-50 s on a
+2-core CPU, so the default run covers Macformer (RMFA + ppSBN) and softmax; ``-m slow`` runs
+every backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from macformer_lit.attention import BACKENDS, build_attention
+
+LENGTHS = (9, 13, 16, 23, 30)
+H, D = 2, 8
+DEFAULT = {("rmfa", True), ("softmax", False)}
+CASES = [
+    pytest.param(
+        name,
+        sbn,
+        id=f"{name}{'-ppsbn' if sbn else ''}",
+        marks=[] if (name, sbn) in DEFAULT else [pytest.mark.slow],
+    )
+    for name in BACKENDS
+    for sbn in (False, True)
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _build(name: str, sbn: bool):
+    options = {}
+    if name in ("rmfa", "favor"):
+        options["num_features"] = 16
+    if name in ("rmfa", "favor", "linear"):
+        options["chunk_size"] = 4
+    if sbn:
+        options.update(pre_sbn=True, post_sbn=True)
+    torch.manual_seed(0)
+    attn = build_attention(name, head_dim=D, num_heads=H, **options)
+    if sbn:
+        with torch.no_grad():
+            attn.gamma.uniform_(0.5, 1.5)
+            attn.log_beta.uniform_(-0.3, 0.3)
+    return attn.train()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name,sbn", CASES)
+def test_fullgraph_and_one_dynamic_compile_over_five_lengths(name, sbn, causal, request):
+    if sbn and causal:
+        # Known defect, kept visible: with ppSBN in causal training (running statistics,
+        # updated in place inside the graph) the AOTAutograd backward gives dq off by up to
+        # 3 % of its scale while the forward, dk and dv are exact; dynamo alone (the "eager"
+        # backend) is exact. Compiling a causal ppSBN model is not safe until this is fixed.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="AOT backward of causal ppSBN"))
+    attn = _build(name, sbn)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def step(q, k, v, mask):
+        return attn(q, k, v, key_padding_mask=mask, query_padding_mask=mask, causal=causal)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    compiles = []
+    for i, n in enumerate(LENGTHS):
+        g = torch.Generator().manual_seed(i)
+        q, k, v = (torch.randn(2, H, n, D, generator=g) for _ in range(3))
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, n - 3 :] = False
+        real = mask[:, None, :, None]
+        results = []
+        state = {key: b.clone() for key, b in attn.named_buffers()}
+        for fn in (compiled, step):
+            # Same running statistics for both (ppSBN moves them in training).
+            for key, buf in attn.named_buffers():
+                buf.copy_(state[key])
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*inputs, mask) * real
+            out.square().sum().backward()
+            results.append((out.detach(), *(t.grad for t in inputs)))
+        for a, b, what in zip(*results, ("out", "dq", "dk", "dv")):
+            torch.testing.assert_close(
+                a, b, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}"
+            )
+        compiles.append(counter.frame_count)
+    # The first length compiles (dynamic shapes from the start); later lengths reuse it.
+    assert compiles[0] >= 1 and compiles[1:] == [compiles[0]] * (len(LENGTHS) - 1), compiles
