@@ -171,11 +171,25 @@ class SaveRunConfig(SaveConfigCallback):
                 lg.experiment.config.update({"cli": yaml.safe_load(config)}, allow_val_change=True)
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler writing to ``sys.stderr`` as it is at each record, not as it was when the
+    first run of the process installed it: a later ``main()`` in the same process (a notebook,
+    a test, stderr redirected meanwhile) still gets the lines, never a closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _show_package_logs() -> None:
     """Let the data modules' info lines (truncation counts, split notes) reach the console."""
     logger = logging.getLogger("macformer_lit")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

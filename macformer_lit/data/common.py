@@ -49,6 +49,18 @@ class DataFormatError(ValueError):
         super().__init__(f"{where}: {problem}")
 
 
+def check_not_empty(count: int, split: str, source: Path | str) -> None:
+    """A split without examples (a file holding its header only, an empty folder) is named
+    here, before any sampler or metric meets it."""
+    if count == 0:
+        raise DataFormatError(
+            source,
+            None,
+            f"the {split} split holds no examples; regenerate or re-download the data, or "
+            "point --data.data_dir at a complete copy",
+        )
+
+
 def check_positive(name: str, value: int | None, *, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -325,6 +337,10 @@ class SequenceDataModule(L.LightningDataModule):
     def load_split(self, split: str) -> SequenceDataset:
         raise NotImplementedError
 
+    def split_source(self, split: str) -> str:
+        """Where ``split`` is read from, for messages (subclasses name the file)."""
+        return f"{self.data_dir} ({split} split)"
+
     def _subset(self, ds: SequenceDataset, split: str) -> SequenceDataset:
         n = self.sizes[split]
         if n is None or n >= len(ds):
@@ -340,7 +356,9 @@ class SequenceDataModule(L.LightningDataModule):
         }.get(stage or "", ("train", "val", "test"))
         for split in wanted:
             if split not in self.datasets:
-                self.datasets[split] = self._subset(self.load_split(split), split)
+                dataset = self.load_split(split)
+                check_not_empty(len(dataset), split, self.split_source(split))
+                self.datasets[split] = self._subset(dataset, split)
 
     def collate(self):
         return PadCollate(self.pad_id, self.pad_to_multiple_of, self.max_len)

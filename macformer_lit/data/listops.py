@@ -433,6 +433,9 @@ class ListOpsDataModule(SequenceDataModule):
             for path in (*staging.values(), manifest_tmp):
                 path.unlink(missing_ok=True)
 
+    def split_source(self, split: str) -> str:
+        return str(self.paths[split])
+
     def load_split(self, split: str) -> SequenceDataset:
         self.ensure_files()
         wanted = self.sizes[split]

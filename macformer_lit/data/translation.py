@@ -40,7 +40,13 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from macformer_lit.data.common import check_loader_args, check_positive, make_loader, pad_sequences
+from macformer_lit.data.common import (
+    check_loader_args,
+    check_not_empty,
+    check_positive,
+    make_loader,
+    pad_sequences,
+)
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +310,10 @@ class TranslationDataModule(L.LightningDataModule):
         ids = [i for i in ids if len(SPECIAL_TOKENS) <= i < self.tgt_vocab_size]
         return self.tgt_tokenizer.decode(ids, skip_special_tokens=True).strip()
 
+    def split_source(self, split: str) -> str:
+        """Where ``split`` is read from, for messages (subclasses name the files)."""
+        return f"{self.data_dir} ({split} split)"
+
     # ---- Lightning hooks ----------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         wanted = {
@@ -315,6 +325,7 @@ class TranslationDataModule(L.LightningDataModule):
         for split in wanted:
             if split not in self.datasets:
                 src, tgt = self.split_texts(split)
+                check_not_empty(len(src), split, self.split_source(split))
                 src_ids, tgt_ids = self.encode_source(src), self.encode_target(tgt)
                 cut = sum(len(ids) == self.max_len for ids in src_ids + tgt_ids)
                 if cut:

@@ -17,16 +17,33 @@ from macformer_lit.attention import BACKENDS, build_attention
 
 LENGTHS = (9, 13, 16, 23, 30)
 H, D = 2, 8
-DEFAULT = {("rmfa", True), ("softmax", False)}
+# The default run: Macformer (RMFA + ppSBN, bidirectional) and softmax both ways.
+DEFAULT = {("rmfa", True, False), ("softmax", False, False), ("softmax", False, True)}
+# Known defect, kept visible: with ppSBN in causal training (running statistics updated in
+# place inside the graph) the AOTAutograd backward of RMFA gives dq off by up to 3 % of its
+# scale while out, dk and dv are exact, and dynamo alone (the "eager" backend) is exact.
+# Compiling a causal ppSBN model is not safe until this is fixed.
+KNOWN_BAD = {("rmfa", True, True)}
+
+
+def _marks(case):
+    marks = [] if case in DEFAULT else [pytest.mark.slow]
+    if case in KNOWN_BAD:
+        marks.append(pytest.mark.xfail(strict=True, reason="AOT backward of causal ppSBN"))
+    return marks
+
+
 CASES = [
     pytest.param(
         name,
         sbn,
-        id=f"{name}{'-ppsbn' if sbn else ''}",
-        marks=[] if (name, sbn) in DEFAULT else [pytest.mark.slow],
+        causal,
+        id=f"{name}{'-ppsbn' if sbn else ''}{'-causal' if causal else ''}",
+        marks=_marks((name, sbn, causal)),
     )
     for name in BACKENDS
     for sbn in (False, True)
+    for causal in (False, True)
 ]
 
 
@@ -54,15 +71,8 @@ def _build(name: str, sbn: bool):
     return attn.train()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name,sbn", CASES)
-def test_fullgraph_and_one_dynamic_compile_over_five_lengths(name, sbn, causal, request):
-    if sbn and causal:
-        # Known defect, kept visible: with ppSBN in causal training (running statistics,
-        # updated in place inside the graph) the AOTAutograd backward gives dq off by up to
-        # 3 % of its scale while the forward, dk and dv are exact; dynamo alone (the "eager"
-        # backend) is exact. Compiling a causal ppSBN model is not safe until this is fixed.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="AOT backward of causal ppSBN"))
+@pytest.mark.parametrize("name,sbn,causal", CASES)
+def test_fullgraph_and_one_dynamic_compile_over_five_lengths(name, sbn, causal):
     attn = _build(name, sbn)
     counter = CompileCounterWithBackend("aot_eager")
 

@@ -446,3 +446,20 @@ def test_checkpoint_writes_stay_atomic_beside_a_precision_plugin(tmp_path):
     )
     assert type(cli.trainer.precision_plugin).__name__ == "MixedPrecision"
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_split_without_examples_is_named_in_one_line(tmp_path, capsys, split):
+    folder = tmp_path / "data" / "listops-1000"
+    folder.mkdir(parents=True)
+    row = "( [MAX 2 9 ] )\t9\n"
+    # Exactly the sizes asked for (16 / 8 / 8), so nothing else is logged.
+    for name, count in (("train", 16), ("val", 8), ("test", 8)):
+        rows = "" if name == split else row * count
+        (folder / f"basic_{name}.tsv").write_text("Source\tTarget\n" + rows)
+    with pytest.raises(SystemExit):
+        main(["fit", *tiny_listops_args(tmp_path, "--wandb_mode", "disabled")])
+    stderr = capsys.readouterr().err
+    assert f"basic_{split}.tsv: the {split} split holds no examples" in stderr
+    assert "Traceback" not in stderr
+    assert not list((tmp_path / "runs").glob("*/version_*/checkpoints/*.ckpt"))
