@@ -146,7 +146,9 @@ class MaclaurinMap(torch.autograd.Function):
         xf, wf, folded = _fold(x, omega)
         flat = torch.matmul(wf, xf.transpose(-1, -2))  # (..., S, G·L)
         proj = _unfold(flat, x.shape, folded)  # (..., S, L), a view of flat
-        ctx.save_for_backward(wf, flat)
+        # x's rows (d wide; autograd keeps x anyway), not the S-row projections: backward
+        # recomputes them with one matmul, so the map keeps d/S of the memory it did.
+        ctx.save_for_backward(wf, xf)
         ctx.layout = (c0, s1, groups, folded, x.shape)
         if torch.compiler.is_compiling():
             # Traced: out-of-place products (``out=`` into slices breaks the graph), which
@@ -168,8 +170,9 @@ class MaclaurinMap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        wf, flat = ctx.saved_tensors
+        wf, xf = ctx.saved_tensors
         c0, s1, groups, folded, shape = ctx.layout
+        flat = torch.matmul(wf, xf.transpose(-1, -2))  # the forward's projections, again
         proj = _unfold(flat, shape, folded)
         if torch.compiler.is_compiling():
             dflat = _map_rows_backward(grad, proj, c0, s1, groups, flat.shape, folded)
