@@ -45,12 +45,14 @@ def _masked_total(t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
 
 
 class _BatchStandardiseNormalise(torch.autograd.Function):
-    """Pre-SBN with batch statistics in few passes: z = (x − μ)/σ per (head, channel) over the
-    batch and the real positions (μ, σ² of this batch, summed over DDP ranks), y = z/‖z‖ per
-    row. Autograd through the same steps made ~20 elementwise passes forward and backward;
-    the backward here is the closed form (BatchNorm's, then the row normalisation's), with
-    the two per-channel sums of the batch-norm backward reduced over ranks like the forward's.
-    Saves y and ‖z‖ only."""
+    """Pre-SBN with batch statistics: z = (x − μ)/σ per (head, channel) over the batch and the
+    real positions (μ, σ² of this batch, summed over DDP ranks), y = z/‖z‖ per row, with the
+    closed-form backward (BatchNorm's, then the row normalisation's; the two per-channel sums
+    of the batch-norm backward reduced over ranks like the forward's). It saves only y and
+    ‖z‖, where autograd through the same steps kept x, z and their intermediates; its time
+    is autograd's (40 vs 39 ms forward+backward for a (32, 2, 1000, 32) tensor at one thread
+    on a 2-core AVX2 CPU): the remaining cost is ~11 memory passes, which only a fused
+    kernel would remove."""
 
     @staticmethod
     def forward(ctx, x, w, n, eps):
