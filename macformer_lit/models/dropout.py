@@ -68,6 +68,8 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     threshold = round(p * _LANES)
     if threshold == 0:
         return x
+    if threshold >= _LANES:  # p within 2^-17 of 1: torch's exact masks and scale
+        return F.dropout(x, p, training)
     keep = keep_mask(x.shape, threshold, x.device)
     return _MaskedScale.apply(x, keep, _LANES / (_LANES - threshold))
 

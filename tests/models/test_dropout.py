@@ -58,6 +58,8 @@ def test_seeded_like_torch_and_identity_when_off():
     assert layer(x) is x
     assert Dropout(0.0)(x) is x
     assert torch.equal(Dropout(1.0)(x), torch.zeros_like(x))
+    # p that rounds to 1 in 2^-16 steps falls back to torch (no division by zero).
+    assert torch.isfinite(Dropout(1 - 2**-18)(x)).all()
 
 
 def test_models_use_it_and_checkpoints_are_unchanged():
