@@ -19,17 +19,24 @@ LENGTHS = (9, 13, 16, 23, 30)
 H, D = 2, 8
 # The default run: Macformer (RMFA + ppSBN, bidirectional) and softmax both ways.
 DEFAULT = {("rmfa", True, False), ("softmax", False, False), ("softmax", False, True)}
-# Known defect, kept visible: with ppSBN in causal training (running statistics updated in
-# place inside the graph) the AOTAutograd backward of RMFA gives dq off by up to 3 % of its
-# scale while out, dk and dv are exact, and dynamo alone (the "eager" backend) is exact.
-# Compiling a causal ppSBN model is not safe until this is fixed.
-KNOWN_BAD = {("rmfa", True, True)}
+# Known defects, kept visible (strict xfail: a fix shows up as XPASS). Measured with -m slow
+# at commit 644027a:
+# - every backend with ppSBN in causal training (running statistics updated in place inside
+#   the graph): the AOTAutograd backward gives dq off by up to 3 % of its scale while out,
+#   dk and dv are exact, and dynamo alone (the "eager" backend) is exact;
+# - the chunked causal feature-map path (rmfa, favor, linear): a recompile when the length
+#   becomes a multiple of the chunk size (no padding branch), or a view error in the AOT
+#   backward.
+# Compiling a causal model with these backends is not safe until they are fixed.
+KNOWN_BAD = {(name, True, True) for name in BACKENDS} | {
+    (name, False, True) for name in ("rmfa", "favor", "linear")
+}
 
 
 def _marks(case):
     marks = [] if case in DEFAULT else [pytest.mark.slow]
     if case in KNOWN_BAD:
-        marks.append(pytest.mark.xfail(strict=True, reason="AOT backward of causal ppSBN"))
+        marks.append(pytest.mark.xfail(strict=True, reason="known causal compile defect"))
     return marks
 
 
