@@ -7,9 +7,11 @@ separated from the machine, threads and load it was measured under.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
 
 import torch
@@ -150,3 +152,26 @@ def try_import(name: str) -> Callable | None:
         return __import__(name)
     except Exception:
         return None
+
+
+def cpu_allocation_peak(call: Callable[[], object]) -> tuple[int, list[dict]]:
+    """Run ``call`` under ``torch.profiler(profile_memory=True)``: the peak of the running sum
+    of the CPU allocator's allocations and frees during it (extra bytes over what was live
+    before), and the trace's events for callers that also want the ops it ran."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    mem = sorted(
+        (float(e["ts"]), e["args"]["Bytes"])
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0
+    )
+    current = peak = 0
+    for _, nbytes in mem:
+        current += nbytes
+        peak = max(peak, current)
+    return int(peak), events

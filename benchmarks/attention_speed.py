@@ -45,7 +45,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -54,12 +53,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from macformer_lit.attention import build_attention
 
 try:
     from benchmarks._common import (
+        cpu_allocation_peak,
         csv_comment_header,
         machine_info,
         md_header,
@@ -70,6 +69,7 @@ try:
     )
 except ImportError:  # run as a script: python benchmarks/attention_speed.py
     from _common import (
+        cpu_allocation_peak,
         csv_comment_header,
         machine_info,
         md_header,
@@ -251,23 +251,7 @@ def peak_memory(case: Case, device: str) -> int:
         case()
         sync(device)
         return torch.cuda.max_memory_allocated(device) - base
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        case()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    mem = sorted(
-        (float(e["ts"]), e["args"]["Bytes"])
-        for e in events
-        if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0
-    )
-    current = peak = 0
-    for _, nbytes in mem:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
+    return cpu_allocation_peak(case)[0]
 
 
 def run(args) -> dict:

@@ -91,7 +91,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +99,6 @@ import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from macformer_lit.attention import attention_cores
 from macformer_lit.attention.feature_attention import FeatureAttention
@@ -108,6 +106,7 @@ from macformer_lit.models.classifier import pool
 
 try:
     from benchmarks._common import (
+        cpu_allocation_peak,
         csv_comment_header,
         machine_info,
         md_header,
@@ -117,6 +116,7 @@ try:
     )
 except ImportError:  # run as a script: python benchmarks/train_step.py
     from _common import (
+        cpu_allocation_peak,
         csv_comment_header,
         machine_info,
         md_header,
@@ -536,22 +536,7 @@ def peak_memory(case: Case, device: str) -> tuple[int, list[str]]:
         case()
         sync(device)
         return torch.cuda.max_memory_allocated(device) - base, []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        case()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    mem = sorted(
-        (float(e["ts"]), e["args"]["Bytes"])
-        for e in events
-        if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0
-    )
-    current = peak = 0
-    for _, nbytes in mem:
-        current += nbytes
-        peak = max(peak, current)
+    peak, events = cpu_allocation_peak(case)
     ops = sorted(
         {
             e["name"]
