@@ -39,6 +39,16 @@ def _all_reduce(t: torch.Tensor, differentiable: bool) -> torch.Tensor:
     return t
 
 
+def _row_weights(x: torch.Tensor, mask: torch.Tensor | None):
+    """(w, n): the (B, 1, L, 1) weights of real rows of x (B, H, L, d), None when all are
+    real, and their number summed over DDP ranks (at least 1)."""
+    if mask is None:
+        w, n = None, x.new_tensor(float(x.shape[0] * x.shape[2]))
+    else:
+        w, n = mask[:, None, :, None].to(x.dtype), mask.sum().to(x.dtype)
+    return w, _all_reduce(n, False).clamp_min(1.0)
+
+
 def _masked_total(t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     """Σ over batch and positions of (B, H, L, d), rows weighted by w: (H, 1, d)."""
     return (t if w is None else t * w).sum(2).sum(0)[:, None]
@@ -200,16 +210,11 @@ class PPSBNAttention(AttentionBackend):
         of cascade sums)."""
         if not differentiable:
             x = x.detach()  # only the running estimates read them: no graph to keep
-        if mask is None:
-            w, n = None, x.new_tensor(float(x.shape[0] * x.shape[2]))
-        else:
-            w = mask[:, None, :, None].to(x.dtype)  # (B, 1, L, 1)
-            n = mask.sum().to(x.dtype)
+        w, n = _row_weights(x, mask)
 
         def total(t):  # (B, H, L, d) -> (H, d)
             return (t if w is None else t * w).sum(2).sum(0)
 
-        n = _all_reduce(n, False).clamp_min(1.0)
         mean = _all_reduce(total(x), differentiable)[:, None] / n  # (H, 1, d)
         # ∂/∂μ of Σ w(x − μ)² is −2 Σ w(x − μ) = 0 over all ranks: no graph through μ here
         # (torch.var_mean's backward drops the same term), saving a full reduction backward.
@@ -219,11 +224,7 @@ class PPSBNAttention(AttentionBackend):
     def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool):
         if self.stats == "batch" and not running:
             # Training on batch statistics: the fused forward/backward (same numbers).
-            if mask is None:
-                w, n = None, x.new_tensor(float(x.shape[0] * x.shape[2]))
-            else:
-                w, n = mask[:, None, :, None].to(x.dtype), mask.sum().to(x.dtype)
-            n = _all_reduce(n, False).clamp_min(1.0)
+            w, n = _row_weights(x, mask)
             # eps as a tensor: a Python float argument becomes symbolic under torch.compile's
             # dynamic shapes, which autograd.Function tracing does not support.
             eps = torch.full((), self.eps, dtype=x.dtype, device=x.device)
