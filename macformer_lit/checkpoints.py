@@ -30,6 +30,7 @@ import torch
 
 from macformer_lit.attention import _PRE_SBN_OPTIONS, BACKENDS, PPSBNAttention
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
+from macformer_lit.runs import versions
 from macformer_lit.tasks.compat import STRUCTURAL
 
 EVAL_SUBCOMMANDS = ("validate", "test", "predict")
@@ -50,19 +51,10 @@ class CheckpointError(ValueError):
 
 
 # ---- finding ---------------------------------------------------------------------------
-def _versions(exp_dir: Path) -> list[tuple[int, Path]]:
-    found = []
-    for p in exp_dir.glob("version_*"):
-        m = re.fullmatch(r"version_(\d+)", p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found, reverse=True)
-
-
 def newest_checkpoint(exp_dir: Path, which: str) -> Path | None:
     """``checkpoints/last.ckpt`` (``which="last"``) or the ``best-*.ckpt``
     (``which="best"``) of the newest version folder that holds one."""
-    for _, version in _versions(exp_dir):
+    for _, version in versions(exp_dir):
         folder = version / "checkpoints"
         if which == "last":
             if (folder / "last.ckpt").is_file():

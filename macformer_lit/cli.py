@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -35,9 +34,12 @@ from lightning.pytorch.cli import (  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger, Logger  # noqa: E402
 from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
-from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+from lightning.pytorch.utilities.exceptions import (  # noqa: E402
+    MisconfigurationException,
+    SIGTERMException,
+)
 
-from macformer_lit.attention.spec import check_attention_spec  # noqa: E402
+from macformer_lit.attention.spec import as_spec, check_attention_spec  # noqa: E402
 from macformer_lit.callbacks import (  # noqa: E402
     AttentionTelemetry,
     FeatureRedraw,
@@ -60,6 +62,16 @@ from macformer_lit.checkpoints import (  # noqa: E402
 )
 from macformer_lit.loggers import AutoWandbLogger, Mode, RunCSVLogger  # noqa: E402
 from macformer_lit.models.dropout import set_mask_generator  # noqa: E402
+from macformer_lit.preflight import (  # noqa: E402
+    UsageError,
+    check_config_file,
+    check_experiment,
+    check_folder,
+    check_model_size,
+    check_trainer_values,
+    short_parse_error,
+)
+from macformer_lit.runs import RunFolder, launch_rank, next_version  # noqa: E402
 
 # Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
@@ -67,6 +79,8 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Rank 0's run folder, inherited by the ranks Lightning launches for DDP.
 RUN_DIR_ENV = "MACFORMER_RUN_DIR"
+# Run folders this process claimed and has not started a loop in yet.
+_PENDING: list[RunFolder] = []
 
 
 class ShareRunDir(L.Callback):
@@ -88,6 +102,18 @@ class ShareRunDir(L.Callback):
             self.cli.run_dir = shared
             # Trainer.default_root_dir has no setter; it reads this attribute.
             trainer._default_root_dir = str(shared)
+
+    # Once a loop starts, the folder holds the run (a failure later keeps it, with its
+    # checkpoints and NaN forensics); before that, a failed start removes it (main()).
+    def _started(self, *_) -> None:
+        for folder in _PENDING:
+            folder.keep()
+
+    on_train_start = on_test_start = on_predict_start = _started
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._started()
 
 
 # DataModule attributes linked into the model; a link whose source or target is absent is
@@ -144,19 +170,22 @@ def resolve_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
             out.append(arg)
         if value is not None:
             path = resolve_config(value)
+            check_config_file(path)
             out.append(path)
-            stems.append(Path(value).with_suffix("").as_posix().replace("/", "-"))
+            stems.append(config_stem(path))
         i += 1
     return out, stems
 
 
-def next_version(exp_dir: Path) -> int:
-    versions = [
-        int(m.group(1))
-        for p in exp_dir.glob("version_*")
-        if (m := re.fullmatch(r"version_(\d+)", p.name))
-    ]
-    return max(versions, default=-1) + 1
+def config_stem(path: str) -> str:
+    """The config's part of an experiment name: a shipped config by its place in
+    ``configs/`` (``attention/rmfa_exp.yaml`` -> ``attention-rmfa_exp``), any other file by
+    its file name alone (``/abs/dir/my.yaml`` -> ``my``)."""
+    resolved = Path(path).resolve()
+    shipped = CONFIG_DIR.resolve()
+    if resolved.is_relative_to(shipped):
+        return resolved.relative_to(shipped).with_suffix("").as_posix().replace("/", "-")
+    return resolved.stem
 
 
 class SaveRunConfig(SaveConfigCallback):
@@ -195,9 +224,37 @@ def _show_package_logs() -> None:
         logger.setLevel(logging.INFO)
 
 
+DESCRIPTION = (
+    "macformer_lit: train and evaluate Transformers whose attention is exact softmax or a "
+    "random-feature approximation (Macformer's RMFA with ppSBN, SchoenbAt, Performer's "
+    "FAVOR+, linear) on Long Range Arena and Multi30K."
+)
+SUBCOMMANDS = {
+    "fit": "train, then test the best checkpoint",
+    "validate": "score a checkpoint on the validation split",
+    "test": "score a checkpoint on the test split",
+    "predict": "write a checkpoint's predictions to predictions.csv",
+    "report": "tables and plots from finished runs (report --help)",
+    "sweep": "run a grid of fits from a sweep file (sweep --help)",
+}
+EPILOG = "subcommands: " + "; ".join(f"{k}: {v}" for k, v in SUBCOMMANDS.items())
+
+
+class _Parser(LightningArgumentParser):
+    """jsonargparse's parser whose errors are one line (``preflight.short_parse_error``)
+    instead of the usage block and every union the value passed through."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # jsonargparse trying alternatives: not the user's error
+            return super().error(message, ex)
+        prog = self.prog.replace(" [options]", "")
+        raise UsageError(f"{short_parse_error(message)}  (options: {prog} --help)")
+
+
 class MacformerCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         _show_package_logs()
+        self.original_argv = list(sys.argv[1:] if args is None else args)
         if args is None:
             # Rewrite sys.argv itself: LightningCLI warns when given both args and argv.
             sys.argv[1:], self.config_stems = resolve_config_args(sys.argv[1:])
@@ -209,7 +266,13 @@ class MacformerCLI(LightningCLI):
             datamodule_class=L.LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            parser_kwargs={"prog": "macformer_lit", "parser_mode": "omegaconf"},
+            parser_kwargs={
+                "prog": "macformer_lit",
+                "parser_mode": "omegaconf",
+                "description": DESCRIPTION,
+                "epilog": EPILOG,
+            },
+            parser_class=_Parser,
             save_config_callback=SaveRunConfig,
             # A resumed run writes into its own folder again; its config is the same.
             save_config_kwargs={"overwrite": True},
@@ -261,6 +324,12 @@ class MacformerCLI(LightningCLI):
     def _cfg(self, config):
         return config[self.subcommand] if self.subcommand else config
 
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        super().parse_arguments(parser, args)
+        # Before the seed is set and anything is built: a mistake is the only line printed.
+        subcommand = self.config.get("subcommand")
+        self._preflight(self.config[subcommand] if subcommand else self.config)
+
     def before_instantiate_classes(self) -> None:
         cfg = self._cfg(self.config)
         experiment = cfg.get("experiment") or "+".join(self.config_stems) or "default"
@@ -301,18 +370,46 @@ class MacformerCLI(LightningCLI):
                 self.run_dir, self.resuming = found, True
                 cfg.ckpt_path = str(found / "checkpoints" / "last.ckpt")
                 rank_zero_info(f"Resuming from {cfg.ckpt_path}")
+        self._check_attention(cfg)
         if not self.resuming:
             inherited = os.environ.get(RUN_DIR_ENV)
             if inherited and os.environ.get("LOCAL_RANK", "0") != "0":
-                # A rank Lightning launched for DDP: rank 0 already created (and so took)
-                # the next version number; use its folder.
+                # A rank Lightning launched for DDP: rank 0 already claimed the folder.
                 self.run_dir = Path(inherited)
-            else:
+            elif launch_rank() != 0:
+                # torchrun / SLURM: a guess that ShareRunDir replaces by rank 0's folder.
                 self.run_dir = exp_dir / f"version_{next_version(exp_dir)}"
+            else:
+                # Last, once every check has passed: a failed start removes it (main()).
+                folder = RunFolder(exp_dir)
+                _PENDING.append(folder)
+                self.run_dir = folder.claim()
                 os.environ[RUN_DIR_ENV] = str(self.run_dir)
         self.experiment = experiment
-        self._check_attention(cfg)
         set_mask_generator(cfg.get("dropout_masks") or "fast")
+
+    def _preflight(self, cfg) -> None:
+        """Names, paths, trainer values and sizes, checked before anything is built."""
+        if cfg.get("experiment") is not None:
+            check_experiment(cfg.get("experiment"))
+        check_folder(cfg.get("runs_dir") or "runs", "--runs_dir", write=True)
+        data = cfg.get("data")
+        data_init = data.get("init_args") if data is not None and "init_args" in data else None
+        if data_init is not None and isinstance(data_init.get("data_dir"), str):
+            check_folder(data_init.get("data_dir"), "--data.data_dir", write=False)
+        for warning in check_trainer_values(cfg.get("trainer") or {}):
+            if os.environ.get("LOCAL_RANK", "0") == "0" and launch_rank() == 0:
+                print(f"macformer_lit: warning: {warning}", file=sys.stderr, flush=True)
+        model = cfg.get("model")
+        init = model.get("init_args") if model is not None and "init_args" in model else None
+        if init is not None:
+            for key in list(vars(init)):
+                if key.endswith("attention") and isinstance(init.get(key), str):
+                    init[key] = as_spec(init.get(key))  # config.yaml records the mapping
+            data_max = data_init.get("max_len") if data_init is not None else None
+            max_len = data_max if data_max is not None else init.get("max_len")
+            source = "--data.max_len" if data_max is not None else "--model.init_args.max_len"
+            check_model_size(max_len, init.get("d_model"), source=source)
 
     def _check_attention(self, cfg) -> None:
         """Every ``*attention`` spec of the model, checked at parse time (attention/spec.py)."""
@@ -385,7 +482,7 @@ class MacformerCLI(LightningCLI):
             # The monitored checkpoint stays first: it is trainer.checkpoint_callback.
             callbacks.append(LatestCheckpoint(dirpath=str(run_dir / "checkpoints")))
         if wants_ckpt:
-            callbacks.append(SaveOnSigterm())
+            callbacks.append(SaveOnSigterm(resume_command(self.original_argv)))
             callbacks.append(MetricsRowsCheckpoint())
         # Every load (resume, test after fit, validate/test/predict) goes through the
         # same safe path, checkpointing on or off.
@@ -399,17 +496,23 @@ class MacformerCLI(LightningCLI):
         kwargs["callbacks"] = callbacks
         try:
             return super().instantiate_trainer(**kwargs)
-        except (ValueError, MisconfigurationException) as err:
-            # Lightning's own checks of accelerator / strategy / devices / precision: a
-            # settings problem, worth one line rather than a traceback from its internals.
-            if not _raised_under(err, LIGHTNING_CONNECTORS):
+        except (ValueError, TypeError, MisconfigurationException) as err:
+            # Lightning's own checks while building the Trainer (accelerator, strategy,
+            # devices, precision, loop limits): a settings problem, worth one line rather
+            # than a traceback from its internals.
+            if not _raised_under(err, LIGHTNING_DIR):
                 raise
-            if run_dir.is_dir() and not self.resuming and not any(run_dir.iterdir()):
-                run_dir.rmdir()  # made for this run's logs a moment ago; nothing in it
             hint = ""
             if "gpu" in str(err).lower() or "cuda" in str(err).lower():
                 hint = " (on a machine without a GPU use --trainer.accelerator cpu or auto)"
             raise ValueError(f"invalid trainer settings: {err}{hint}") from None
+
+    def before_fit(self) -> None:
+        # The test after fit reads the test split: an empty one stops the run now.
+        if self._cfg(self.config_init).get("test_after_fit") and hasattr(
+            self.datamodule, "test_at_fit"
+        ):
+            self.datamodule.test_at_fit = True
 
     # ---- after the run ----------------------------------------------------------------
     def after_fit(self) -> None:
@@ -485,6 +588,21 @@ class MacformerCLI(LightningCLI):
         print("\n".join(lines), flush=True)
 
 
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes ``argv``'s fit from its ``last.ckpt``."""
+    import shlex
+
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--ckpt_path":
+            i += 2
+            continue
+        if not argv[i].startswith("--ckpt_path="):
+            kept.append(argv[i])
+        i += 1
+    return shlex.join(["python", "-m", "macformer_lit", *kept, "--ckpt_path", "last"])
+
+
 def majority_baseline(datamodule) -> float | None:
     """Share of the most frequent label in the DataModule's test split, if it has one."""
     datasets = getattr(datamodule, "datasets", None)
@@ -504,21 +622,60 @@ def main(args: list[str] | None = None) -> None:
 
         import_module(f"macformer_lit.{argv[0]}").main(argv[1:])
         return
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        print(
+            f"macformer_lit: error: unknown subcommand {argv[0]!r}; usage: macformer_lit "
+            f"{{{','.join(SUBCOMMANDS)}}} ... (macformer_lit --help)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     try:
         MacformerCLI(args)
-    except ConfigNotFound as err:
-        print(err.code, file=sys.stderr)
-        raise SystemExit(2) from None
-    except (ValueError, OSError, FloatingPointError) as err:
-        user_error = _our_error(err)
+    except BaseException as err:
+        _abandon_unstarted()
+        if isinstance(err, ConfigNotFound):
+            print(err.code, file=sys.stderr)
+            raise SystemExit(2) from None
+        if isinstance(err, SIGTERMException):
+            # Stopped on purpose, last.ckpt saved: the shell's codes for SIGINT / SIGTERM.
+            raise SystemExit(130 if getattr(err, "stop_reason", "") == "Ctrl-C" else 143) from None
+        if isinstance(err, UsageError):
+            print(f"macformer_lit: error: {err.code}", file=sys.stderr)
+            raise SystemExit(2) from None
+        user_error = (
+            _our_error(err) if isinstance(err, (ValueError, OSError, FloatingPointError)) else None
+        )
         if user_error is None:
             raise
         print(f"macformer_lit: error: {user_error}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        _PENDING.clear()
+
+
+def _abandon_unstarted() -> None:
+    """Remove the run folders of a run that failed before any loop started, closing the
+    offline W&B run inside first (its closing lines would bury the error)."""
+    folders = [f.path for f in _PENDING if not f.kept and f.path is not None]
+    if not folders:
+        return
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    inside = run is not None and any(
+        Path(run.dir).resolve().is_relative_to(f.resolve()) for f in folders
+    )
+    if inside:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            wandb.finish(exit_code=1)
+    for folder in _PENDING:
+        folder.abandon()
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-LIGHTNING_CONNECTORS = Path(L.__file__).resolve().parent / "pytorch" / "trainer" / "connectors"
+LIGHTNING_DIR = Path(L.__file__).resolve().parent
 
 
 def _raised_under(err: BaseException, folder: Path) -> bool:

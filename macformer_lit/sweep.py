@@ -63,6 +63,8 @@ from typing import Any
 import yaml
 
 from macformer_lit.plotting import colours_for, plot_bands, pyplot
+from macformer_lit.preflight import UsageError, check_config_file
+from macformer_lit.runs import newest_version
 
 FILE_KEYS = {"name", "command", "config", "args", "axes", "plot", "report"}
 STATUS_FILE = "sweep_status.json"
@@ -93,10 +95,12 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"sweep file {path} does not exist")
+    try:
+        check_config_file(str(path))  # YAML syntax, tabs, empty, not a mapping: one line
+    except UsageError as err:
+        raise SweepError(f"sweep {err.code} (name, config, args, axes, ...)") from None
     with open(path, encoding="utf-8") as f:
-        spec = yaml.safe_load(f) or {}
-    if not isinstance(spec, dict):
-        raise SweepError(f"{path}: a sweep file is a mapping (name, config, args, axes, ...)")
+        spec = yaml.safe_load(f)
     unknown = sorted(set(spec) - FILE_KEYS)
     if unknown:
         raise SweepError(
@@ -217,15 +221,6 @@ def located_status(folder: Path) -> dict[str, Any] | None:
         newest = newest_version(folder)
         status["run_dir"] = str(newest) if newest else None
     return status
-
-
-def newest_version(folder: Path) -> Path | None:
-    found = [
-        (int(p.name.split("_")[1]), p)
-        for p in folder.glob("version_*")
-        if re.fullmatch(r"version_\d+", p.name)
-    ]
-    return max(found)[1] if found else None
 
 
 def run_point(

@@ -257,3 +257,49 @@ def test_backend_labels():
     assert backend_label({"name": "rmfa", "kernel": "exp", "pre_sbn": 1, "post_sbn": 1}) == (
         "rmfa[exp]+ppSBN"
     )
+
+
+def test_several_tasks_and_a_task_without_softmax(runs, tmp_path):
+    """A Text run (IMDb reviews in the aclImdb layout) of linear attention only, reported
+    with the ListOps runs: one row per task; the Text row has no softmax to compare with,
+    so its time and memory ratios are empty rather than borrowed from ListOps' softmax."""
+    made, _ = runs
+    data = tmp_path / "imdb"
+    for split in ("train", "test"):
+        for label, text in (("pos", "A wonderful film, truly. " * 3), ("neg", "Dull. " * 9)):
+            for i in range(4):
+                folder = data / "aclImdb" / split / label
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{i}_7.txt").write_text(f"{text} {i}")
+    (data / "aclImdb" / "train" / "unsup").mkdir()
+    cli.main(
+        ["fit", "--config", "lra_text.yaml", "--config", "attention/linear.yaml",
+         "--data.data_dir", str(data), "--data.max_len", "96", "--data.batch_size", "4",
+         "--model.init_args.d_model", "16", "--model.init_args.num_layers", "1",
+         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+         "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+         "--trainer.enable_progress_bar", "false", "--wandb_mode", "disabled",
+         "--runs_dir", str(tmp_path / "runs"), "--experiment", "text_linear"]
+    )  # fmt: skip
+    text_run = tmp_path / "runs/text_linear/version_0"
+    out = tmp_path / "out"
+    main([str(made["softmax1"]), str(made["rmfa"]), str(text_run), "--out", str(out)])
+    rows = report_rows(out)
+    assert sorted((k[2], k[0]) for k, r in rows.items() if r["status"] == "run") == [
+        ("ListOps", "rmfa[exp]+ppSBN"),
+        ("ListOps", "softmax"),
+        ("Text", "linear"),
+    ]
+    text = next(r for k, r in rows.items() if k[2] == "Text" and r["status"] == "run")
+    assert float(text["test_acc"]) == pytest.approx(100 * logged(text_run, "test/acc")[-1])
+    assert text["time_rel"] == text["mem_rel"] == text["softmax_time_sec"] == ""
+    assert float(text["time_sec"]) == pytest.approx(max(logged(text_run, "train/time_sec")))
+    rmfa = next(r for k, r in rows.items() if k[0] == "rmfa[exp]+ppSBN")
+    soft_time = max(logged(made["softmax1"], "train/time_sec"))
+    rmfa_time = max(logged(made["rmfa"], "train/time_sec"))
+    assert float(rmfa["time_rel"]) == pytest.approx(rmfa_time / soft_time)
+    md = (out / "report.md").read_text()
+    assert "| Text | linear |" in md
+    # Text now has a run, so it is not among the tasks listed as not run.
+    not_run = [r["task"] for r in rows.values() if r["status"] == "not run"]
+    assert not_run == ["Retrieval", "Image", "Pathfinder"]

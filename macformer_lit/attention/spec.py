@@ -77,6 +77,11 @@ def _check_types(name: str, options: dict[str, Any], where: str) -> None:
         )
 
 
+def as_spec(spec: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """A bare backend name (``attention: rmfa`` in a config) means ``{name: rmfa}``."""
+    return {"name": spec} if isinstance(spec, str) else spec
+
+
 def check_attention_spec(
     spec: dict[str, Any] | None, *, head_dim: int, num_heads: int, where: str = "attention"
 ) -> None:

@@ -178,7 +178,7 @@ class NaNGuard(L.Callback):
             if isinstance(batch, dict):
                 batch = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
             torch.save(batch, folder / "batch.pt")
-        trainer.save_checkpoint(folder / "checkpoint.ckpt")
+        trainer.save_checkpoint(folder / "checkpoint.ckpt", weights_only=False)
         return folder
 
     def _log_stats(self, trainer, grads) -> None:

@@ -4,15 +4,21 @@
 renames it over the target (``os.replace`` is atomic on POSIX), so a kill during a save
 leaves the previous checkpoint intact. ``SaveOnSigterm`` answers a SIGTERM (what SLURM
 and most clusters send before pre-emption; Lightning turns it into ``SIGTERMException``
-at the next batch boundary) by writing ``last.ckpt`` where ModelCheckpoint keeps it, so
-``--ckpt_path last`` resumes from the step the job was stopped at. ``MetricsRowsCheckpoint``
-keeps ``metrics.csv`` in step with the checkpoints: a run killed some steps after its last
-checkpoint has already written those steps' rows, and the resumed run logs them again.
+at the next batch boundary), and a first Ctrl-C the same way, by writing ``last.ckpt``
+where ModelCheckpoint keeps it and printing the command that resumes from that step.
+``MetricsRowsCheckpoint`` keeps ``metrics.csv`` in step with the checkpoints: a run killed
+some steps after its last checkpoint has already written those steps' rows, and the
+resumed run logs them again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -64,22 +70,74 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
             os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:
+            # torch.save reports a failed write (disk full, file-size limit) as a
+            # RuntimeError from its zip writer.
+            if isinstance(err, RuntimeError) and "writ" not in str(err).lower():
+                raise
+            detail = getattr(err, "strerror", None) or str(err).splitlines()[0]
+            kept = f"the previous {path.name} is intact" if path.exists() else "nothing written"
+            raise OSError(
+                f"could not write checkpoint {path} ({detail}): {kept}; free disk space or "
+                "point --runs_dir at another disk, then resume with --ckpt_path last"
+            ) from None
         finally:
             tmp.unlink(missing_ok=True)
 
 
 class SaveOnSigterm(L.Callback):
+    """``last.ckpt`` at the step a SIGTERM or a Ctrl-C stopped ``fit``, and the command that
+    resumes it.
+
+    Lightning raises ``SIGTERMException`` at the next batch boundary after a SIGTERM. During
+    ``fit`` a first Ctrl-C (SIGINT) asks for the same stop instead of interrupting the step
+    where it is; a second Ctrl-C aborts at once (Python's ``KeyboardInterrupt``), without
+    a checkpoint.
+    """
+
+    def __init__(self, resume_command: str | None = None) -> None:
+        self.resume_command = resume_command
+        self.reason = "SIGTERM"
+        self._previous_sigint = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        self._previous_sigint = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, functools.partial(self._on_sigint, trainer))
+
+    def _on_sigint(self, trainer, signum, frame) -> None:
+        if self.reason == "Ctrl-C":
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.reason = "Ctrl-C"
+        print(
+            "\nCtrl-C: stopping at the end of this batch to save last.ckpt "
+            "(Ctrl-C again aborts at once, without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
+        # What Lightning's own SIGTERM handler sets; the loops stop at the next boundary.
+        trainer._signal_connector.received_sigterm = True
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and self._previous_sigint is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
     def on_exception(self, trainer, pl_module, exception) -> None:
         if not isinstance(exception, SIGTERMException):
             return
+        exception.stop_reason = self.reason
         ckpt = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
         if ckpt is None or ckpt.dirpath is None:
             return
         path = Path(ckpt.dirpath) / f"{ckpt.CHECKPOINT_NAME_LAST}{ckpt.FILE_EXTENSION}"
-        trainer.save_checkpoint(path)
-        rank_zero_info(
-            f"SIGTERM: saved {path} at step {trainer.global_step}; resume with --ckpt_path last"
-        )
+        trainer.save_checkpoint(path, weights_only=False)
+        how = f": {self.resume_command}" if self.resume_command else " --ckpt_path last"
+        step = trainer.global_step
+        rank_zero_info(f"{self.reason}: saved {path} at step {step}; resume with{how}")
 
 
 class LatestCheckpoint(ModelCheckpoint):
@@ -103,5 +161,5 @@ class LatestCheckpoint(ModelCheckpoint):
         if trainer.fast_dev_run or trainer.sanity_checking:
             return
         if trainer.global_step != self._last_global_step_saved:
-            trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt")
+            trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt", weights_only=False)
             self._last_global_step_saved = trainer.global_step

@@ -61,6 +61,18 @@ def check_not_empty(count: int, split: str, source: Path | str) -> None:
         )
 
 
+def splits_for(stage: str | None, *, test_at_fit: bool = False) -> tuple[str, ...]:
+    """The splits ``setup(stage)`` loads. ``test_at_fit``: ``fit`` loads the test split too,
+    so that a test split without examples stops the run before training, not after it
+    (the CLI sets it when ``fit`` tests the best checkpoint afterwards)."""
+    return {
+        "fit": ("train", "val", "test") if test_at_fit else ("train", "val"),
+        "validate": ("val",),
+        "test": ("test",),
+        "predict": ("test",),
+    }.get(stage or "", ("train", "val", "test"))
+
+
 def check_positive(name: str, value: int | None, *, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -333,6 +345,7 @@ class SequenceDataModule(L.LightningDataModule):
         self.bucket_by_length = bucket_by_length
         self.seed = seed
         self.datasets: dict[str, SequenceDataset] = {}
+        self.test_at_fit = False  # see splits_for
 
     def load_split(self, split: str) -> SequenceDataset:
         raise NotImplementedError
@@ -348,13 +361,7 @@ class SequenceDataModule(L.LightningDataModule):
         return SequenceDataset(ds.sequences[:n], ds.labels[:n])
 
     def setup(self, stage: str | None = None) -> None:
-        wanted = {
-            "fit": ("train", "val"),
-            "validate": ("val",),
-            "test": ("test",),
-            "predict": ("test",),
-        }.get(stage or "", ("train", "val", "test"))
-        for split in wanted:
+        for split in splits_for(stage, test_at_fit=self.test_at_fit):
             if split not in self.datasets:
                 dataset = self.load_split(split)
                 check_not_empty(len(dataset), split, self.split_source(split))

@@ -46,6 +46,7 @@ from macformer_lit.data.common import (
     check_positive,
     make_loader,
     pad_sequences,
+    splits_for,
 )
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ TokenizerKind = Literal["bpe", "unigram"]
 TOKENIZER_KINDS = ("bpe", "unigram")
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-SPLITS = ("train", "val", "test")
 # Bumped whenever the tokenizer recipe changes, so that old cache files are not reused.
 RECIPE_VERSION = 1
 # Byte-level BPE starts from the 256 byte symbols plus the special tokens.
@@ -236,6 +236,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.seed = seed
         self.texts: dict[str, tuple[list[str], list[str]]] = {}
         self.datasets: dict[str, TranslationDataset] = {}
+        self.test_at_fit = False  # see data.common.splits_for
 
     # ---- what subclasses provide --------------------------------------------------------
     def read_split(self, split: str) -> tuple[list[str], list[str]]:
@@ -316,13 +317,7 @@ class TranslationDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks ----------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
-        wanted = {
-            "fit": ("train", "val"),
-            "validate": ("val",),
-            "test": ("test",),
-            "predict": ("test",),
-        }.get(stage or "", SPLITS)
-        for split in wanted:
+        for split in splits_for(stage, test_at_fit=self.test_at_fit):
             if split not in self.datasets:
                 src, tgt = self.split_texts(split)
                 check_not_empty(len(src), split, self.split_source(split))

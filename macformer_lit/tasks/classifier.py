@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from macformer_lit.attention.spec import as_spec
 from macformer_lit.models import DualEncoderClassifier, EncoderClassifier
 from macformer_lit.models.classifier import Pooling
 
@@ -47,7 +48,7 @@ class LitClassifier(CheckpointCompatibility, L.LightningModule):
         num_layers: int = 2,
         ffn_dim: int = 128,
         dropout: float = 0.1,
-        attention: dict[str, Any] | None = None,
+        attention: dict[str, Any] | str | None = None,
         pooling: Pooling = "mean",
         dual_encoder: bool = False,
         lr: float = 1e-4,
@@ -59,13 +60,15 @@ class LitClassifier(CheckpointCompatibility, L.LightningModule):
         """
         Args:
             vocab_size, num_classes, max_len, pad_id: linked from the DataModule.
-            attention: backend spec ``{name: ..., **options}``, see ``configs/attention/``.
+            attention: backend spec ``{name: ..., **options}``, see ``configs/attention/``;
+                a bare name means ``{name: <name>}``.
             pooling: ``mean`` over real tokens, ``cls`` token, or ``mean_unmasked``
                 (Skyformer's mean over every position, padding included).
             dual_encoder: two documents per example (LRA Retrieval).
         """
         super().__init__()
         check_optim_args(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        attention = as_spec(attention)  # before save_hyperparameters, which reads it
         self.save_hyperparameters()
         cls = DualEncoderClassifier if dual_encoder else EncoderClassifier
         self.model = cls(

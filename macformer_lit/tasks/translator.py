@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from sacrebleu.metrics import BLEU
 from torchmetrics import MeanMetric, Metric
 
+from macformer_lit.attention.spec import as_spec
 from macformer_lit.models.seq2seq import Seq2SeqTransformer
 
 from .compat import CheckpointCompatibility
@@ -131,10 +132,10 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
         num_decoder_layers: int = 3,
         ffn_dim: int = 512,
         dropout: float = 0.1,
-        attention: dict[str, Any] | None = None,
-        encoder_attention: dict[str, Any] | None = None,
-        decoder_attention: dict[str, Any] | None = None,
-        cross_attention: dict[str, Any] | None = None,
+        attention: dict[str, Any] | str | None = None,
+        encoder_attention: dict[str, Any] | str | None = None,
+        decoder_attention: dict[str, Any] | str | None = None,
+        cross_attention: dict[str, Any] | str | None = None,
         tie_embeddings: bool = True,
         share_embeddings: bool = False,
         label_smoothing: float = 0.1,
@@ -155,7 +156,8 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
             vocab_size, max_len, pad_id, bos_id, eos_id: linked from the DataModule.
             attention: backend spec ``{name: ..., **options}`` for all three roles;
                 ``encoder_attention``, ``decoder_attention``, ``cross_attention`` override
-                it per role (None = use ``attention``). See ``configs/attention/``.
+                it per role (None = use ``attention``). See ``configs/attention/``; a bare
+                name means ``{name: <name>}``.
             tie_embeddings, share_embeddings: see ``Seq2SeqTransformer``.
             label_smoothing: epsilon of the training loss (0 = plain cross-entropy).
             beam_size: 1 decodes greedily; more uses beam search (val and test).
@@ -176,6 +178,9 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
             )
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0; got {num_samples}")
+        # Before save_hyperparameters, which reads them.
+        attention, encoder_attention = as_spec(attention), as_spec(encoder_attention)
+        decoder_attention, cross_attention = as_spec(decoder_attention), as_spec(cross_attention)
         self.save_hyperparameters()
         self.model = Seq2SeqTransformer(
             vocab_size=vocab_size,
