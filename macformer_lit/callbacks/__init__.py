@@ -1,6 +1,7 @@
 """Lightning callbacks: throughput/memory, host-memory release, NaN forensics, pre-emption,
-feature redraw, attention telemetry."""
+feature redraw, attention telemetry, torch.compile."""
 
+from .compile import CompileModel
 from .memory import ReleaseHostMemory
 from .monitor import ThroughputMemoryMonitor
 from .nan_guard import NaNGuard
@@ -9,6 +10,7 @@ from .telemetry import AttentionTelemetry
 
 __all__ = [
     "AttentionTelemetry",
+    "CompileModel",
     "FeatureRedraw",
     "NaNGuard",
     "ReleaseHostMemory",
