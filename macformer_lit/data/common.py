@@ -1,4 +1,4 @@
-"""Pieces every classification DataModule shares: errors, padding, bucketing, sizes.
+"""Pieces every DataModule shares: errors, padding, bucketing, sizes, loaders, base classes.
 
 Batch format for single-sequence tasks (ListOps, Text, Image, Pathfinder):
 
@@ -15,9 +15,11 @@ model masks it.
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -301,32 +303,54 @@ def make_loader(
     return ResumableDataLoader(ds, batch_size=batch_size, sampler=order, drop_last=False, **common)
 
 
-class SequenceDataModule(L.LightningDataModule):
-    """Base for single-sequence classification tasks.
+def constructor_args(base: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``base``'s constructor, and of the constructors it hands
+    ``**kwargs`` on to, found in ``values`` (a subclass constructor's ``locals()``).
 
-    Subclasses set ``vocab_size``, ``num_classes``, ``max_len`` and ``pad_id`` in
-    ``__init__`` (the CLI links them into the model right after construction) and
-    implement ``load_split(split) -> SequenceDataset`` for split in train / val / test.
+    The DataModules named in configs restate their bases' parameters, since LightningCLI
+    reads a class's own signature; with this they pass them on in one line."""
+    names: set[str] = set()
+    for cls in base.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names.update(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return {name: values[name] for name in names if name in values}
+
+
+class SplitDataModule(L.LightningDataModule):
+    """Base of every DataModule here: the loader settings, the splits each stage loads and
+    the four dataloaders (``make_loader``).
+
+    Subclasses implement ``make_dataset(split)`` (the split's dataset, refused when empty)
+    and ``collate()``; the classes named in configs give every parameter its default.
+
+    Args:
+        batch_size: training batch size.
+        eval_batch_size: validation/test batch size (default: batch_size).
+        num_workers: DataLoader worker processes.
+        train_size: use only the first N training examples.
+        val_size: use only the first N validation examples.
+        test_size: use only the first N test examples.
+        bucket_by_length: batch sequences of similar length together.
+        seed: seed of the length-bucketing sampler.
     """
-
-    vocab_size: int
-    num_classes: int
-    max_len: int
-    pad_id: int
 
     def __init__(
         self,
         *,
-        data_dir: str = "data/lra",
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        train_size: int | None = None,
-        val_size: int | None = None,
-        test_size: int | None = None,
-        bucket_by_length: bool = False,
-        pad_to_multiple_of: int = 64,
-        seed: int = 0,
+        data_dir: str,
+        batch_size: int,
+        eval_batch_size: int | None,
+        num_workers: int,
+        train_size: int | None,
+        val_size: int | None,
+        test_size: int | None,
+        bucket_by_length: bool,
+        seed: int,
     ) -> None:
         super().__init__()
         check_loader_args(
@@ -335,8 +359,6 @@ class SequenceDataModule(L.LightningDataModule):
             num_workers=num_workers,
             sizes=(train_size, val_size, test_size),
         )
-        check_positive("pad_to_multiple_of", pad_to_multiple_of, allow_none=False)
-        self.pad_to_multiple_of = pad_to_multiple_of
         self.data_dir = Path(data_dir).expanduser()
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -344,31 +366,23 @@ class SequenceDataModule(L.LightningDataModule):
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
         self.bucket_by_length = bucket_by_length
         self.seed = seed
-        self.datasets: dict[str, SequenceDataset] = {}
+        self.datasets: dict[str, Dataset] = {}
         self.test_at_fit = False  # see splits_for
 
-    def load_split(self, split: str) -> SequenceDataset:
+    def make_dataset(self, split: str) -> Dataset:
+        raise NotImplementedError
+
+    def collate(self):
         raise NotImplementedError
 
     def split_source(self, split: str) -> str:
         """Where ``split`` is read from, for messages (subclasses name the file)."""
         return f"{self.data_dir} ({split} split)"
 
-    def _subset(self, ds: SequenceDataset, split: str) -> SequenceDataset:
-        n = self.sizes[split]
-        if n is None or n >= len(ds):
-            return ds
-        return SequenceDataset(ds.sequences[:n], ds.labels[:n])
-
     def setup(self, stage: str | None = None) -> None:
         for split in splits_for(stage, test_at_fit=self.test_at_fit):
             if split not in self.datasets:
-                dataset = self.load_split(split)
-                check_not_empty(len(dataset), split, self.split_source(split))
-                self.datasets[split] = self._subset(dataset, split)
-
-    def collate(self):
-        return PadCollate(self.pad_id, self.pad_to_multiple_of, self.max_len)
+                self.datasets[split] = self.make_dataset(split)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         return make_loader(
@@ -392,3 +406,45 @@ class SequenceDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("test", train=False)
+
+
+class SequenceDataModule(SplitDataModule):
+    """Base for single-sequence classification tasks.
+
+    Subclasses set ``vocab_size``, ``num_classes``, ``max_len`` and ``pad_id`` in
+    ``__init__`` (the CLI links them into the model right after construction) and
+    implement ``load_split(split) -> SequenceDataset`` for split in train / val / test.
+    The other constructor arguments are SplitDataModule's.
+
+    Args:
+        data_dir: folder holding the unpacked downloads (see the module docstring).
+        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
+            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
+    """
+
+    vocab_size: int
+    num_classes: int
+    max_len: int
+    pad_id: int
+
+    def __init__(self, *, pad_to_multiple_of: int, **loader: Any) -> None:
+        super().__init__(**loader)
+        check_positive("pad_to_multiple_of", pad_to_multiple_of, allow_none=False)
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def load_split(self, split: str) -> SequenceDataset:
+        raise NotImplementedError
+
+    def _subset(self, ds: SequenceDataset, split: str) -> SequenceDataset:
+        n = self.sizes[split]
+        if n is None or n >= len(ds):
+            return ds
+        return SequenceDataset(ds.sequences[:n], ds.labels[:n])
+
+    def make_dataset(self, split: str) -> SequenceDataset:
+        dataset = self.load_split(split)
+        check_not_empty(len(dataset), split, self.split_source(split))
+        return self._subset(dataset, split)
+
+    def collate(self):
+        return PadCollate(self.pad_id, self.pad_to_multiple_of, self.max_len)

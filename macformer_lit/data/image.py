@@ -45,15 +45,15 @@ from macformer_lit.data.common import (
     MissingDataError,
     SequenceDataset,
     check_positive,
+    constructor_args,
 )
 from macformer_lit.data.lra_files import (
     CIFAR10_URL,
-    SKYFORMER_URL,
     LRADataModule,
     RaggedDataset,
+    check_source,
     find_skyformer,
     read_skyformer,
-    skyformer_expected,
 )
 
 log = logging.getLogger(__name__)
@@ -96,23 +96,13 @@ class ImageDataModule(LRADataModule):
     """CIFAR-10 grayscale pixel sequences; batches ``{"input_ids", "padding_mask", "labels"}``
     with L = 1024 and all-True masks.
 
+    Arguments not listed here are described in the base classes.
+
     Args:
-        data_dir: folder holding the unpacked downloads (see the module docstring).
-        batch_size: training batch size.
-        eval_batch_size: validation/test batch size (default: batch_size).
-        num_workers: DataLoader worker processes.
-        train_size: use only the first N training examples.
-        val_size: use only the first N validation examples.
-        test_size: use only the first N test examples.
-        bucket_by_length: batch sequences of similar length together.
-        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
-            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
-        seed: seed of the length-bucketing sampler.
-        source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
-            (raw if present, else Skyformer).
         val_holdout: training images held out (from the end) for validation (LRA: 5000).
     """
 
+    # Explicit signature: LightningCLI reads it; LRADataModule and its bases do the work.
     def __init__(
         self,
         *,
@@ -129,20 +119,8 @@ class ImageDataModule(LRADataModule):
         source: Literal["auto", "raw", "skyformer"] = "auto",
         val_holdout: int = 5000,
     ) -> None:
-        super().__init__(
-            data_dir=data_dir,
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            train_size=train_size,
-            val_size=val_size,
-            test_size=test_size,
-            bucket_by_length=bucket_by_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            seed=seed,
-        )
-        if source not in ("auto", "raw", "skyformer"):
-            raise ValueError(f"source must be auto, raw or skyformer; got {source!r}")
+        super().__init__(**constructor_args(LRADataModule, locals()))
+        check_source(source)
         self.vocab_size = 256
         self.num_classes = 10
         self.max_len = 1024
@@ -160,23 +138,18 @@ class ImageDataModule(LRADataModule):
     def _resolve(self) -> str:
         folder = self._folder()
         raw_files = [folder / n for n in (*TRAIN_BATCHES, "test_batch")]
-        if self.source in ("auto", "raw") and all(p.is_file() for p in raw_files):
-            return "raw"
-        if self.source in ("auto", "skyformer") and find_skyformer(self.data_dir, SKYFORMER_NAMES):
-            return "skyformer"
+        found = self._found_source(all(p.is_file() for p in raw_files), SKYFORMER_NAMES)
+        if found:
+            return found
         if self.source == "skyformer":
-            raise MissingDataError(
-                "LRA Image, Skyformer pickles",
-                skyformer_expected(self.data_dir, SKYFORMER_NAMES),
-                f"See {SKYFORMER_URL}",
-            )
+            raise self._no_skyformer("LRA Image", SKYFORMER_NAMES)
         how = (
             f"Download CIFAR-10, python version ({CIFAR10_URL}) and unpack it into "
             f"{self.data_dir}:\n  mkdir -p {self.data_dir} && "
             f"tar -xzf cifar-10-python.tar.gz -C {self.data_dir}"
         )
         if self.source == "auto":
-            how += f"\nor put Skyformer's lra-image.*.pickle in {self.data_dir / 'lra_processed'}"
+            how += "\n" + self._or_skyformer(SKYFORMER_NAMES)
         raise MissingDataError(
             "LRA Image (CIFAR-10)", [p for p in raw_files if not p.is_file()], how
         )

@@ -49,6 +49,7 @@ from macformer_lit.data.common import (
     SequenceDataModule,
     SequenceDataset,
     check_positive,
+    constructor_args,
 )
 from macformer_lit.data.listops_generator import (
     END,
@@ -211,9 +212,11 @@ class ListOpsDataModule(SequenceDataModule):
     """LRA ListOps: 10-way classification of nested MIN/MAX/MED/SM expressions.
 
     Generates LRA's files on first use (see the module docstring for reuse), or reads the
-    official release placed in ``<data_dir>/listops-1000/``.
+    official release placed in ``<data_dir>/listops-1000/``. Arguments not listed in the
+    constructor's docstring are described in the base classes.
     """
 
+    # Explicit signature: LightningCLI reads it; SequenceDataModule and its base do the work.
     def __init__(
         self,
         *,
@@ -245,8 +248,6 @@ class ListOpsDataModule(SequenceDataModule):
             val_size: use the first n validation rows (and generate no more than n).
             test_size: use the first n test rows (and generate no more than n).
             bucket_by_length: batch sequences of similar length (less padding).
-            pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
-                ``max_len``): a bounded set of shapes keeps a long run's memory flat.
             seed: shuffling seed of the batches (the generator has ``generate_seed``).
             tokenizer: ``official`` (LRA's fixed tokeniser: parentheses dropped, ``]``
                 kept) or ``skyformer`` (all brackets dropped, which makes the task
@@ -267,18 +268,7 @@ class ListOpsDataModule(SequenceDataModule):
                 task, generated into ``listops-<min>-<max>/`` beside LRA's
                 ``listops-1000/`` so the two never mix.
         """
-        super().__init__(
-            data_dir=data_dir,
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            train_size=train_size,
-            val_size=val_size,
-            test_size=test_size,
-            bucket_by_length=bucket_by_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            seed=seed,
-        )
+        super().__init__(**constructor_args(SequenceDataModule, locals()))
         check_positive("max_len", max_len, allow_none=False)
         check_positive("generate_train_size", generate_train_size, allow_none=False)
         check_positive("generate_val_size", generate_val_size, allow_none=False)

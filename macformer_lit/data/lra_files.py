@@ -1,5 +1,5 @@
-"""Shared helpers of the LRA DataModules: where the downloads live, byte tokenisation, a
-memory-mapped token cache, and Skyformer's pre-processed pickles.
+"""Shared helpers and base classes of the LRA DataModules: where the downloads live, byte
+tokenisation, a memory-mapped token cache, and Skyformer's pre-processed pickles.
 
 Byte tokenisation follows LRA's ``tfds.deprecated.text.ByteTextEncoder`` as used by
 ``lra_benchmarks/{text_classification,matching}/input_pipeline.py``: the UTF-8 bytes of
@@ -35,10 +35,16 @@ import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from macformer_lit.data.common import DataFormatError, SequenceDataModule, SequenceDataset
+from macformer_lit.data.common import (
+    DataFormatError,
+    MissingDataError,
+    SequenceDataModule,
+    SequenceDataset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +162,27 @@ class RaggedDataset(SequenceDataset):
         return type(self)(self.sequences[:n], self.labels[:n])
 
 
+def check_source(source: str) -> None:
+    if source not in ("auto", "raw", "skyformer"):
+        raise ValueError(f"source must be auto, raw or skyformer; got {source!r}")
+
+
 class LRADataModule(SequenceDataModule):
-    """What the LRA DataModules add to SequenceDataModule: type-keeping subsets and the
-    token cache location (subclasses set ``self.cache_root``)."""
+    """What the LRA DataModules add to SequenceDataModule: type-keeping subsets, the token
+    cache location (subclasses set ``self.cache_root``), the choice between the raw files
+    and Skyformer's pickles, and malformed rows skipped or refused.
+
+    Args:
+        source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
+            (raw if present, else Skyformer).
+        skip_malformed: skip malformed rows and log their count instead of raising.
+        use_cache: tokenise once into a memory-mapped cache (else keep tokens in memory).
+        cache_dir: cache folder (default: ``<data_dir>/.cache``).
+    """
 
     cache_root: Path | None
+    source: str
+    skip_malformed: bool
 
     def _subset(self, ds: SequenceDataset, split: str) -> SequenceDataset:
         n = self.sizes[split]
@@ -170,7 +192,41 @@ class LRADataModule(SequenceDataModule):
             return ds.head(n)
         return super()._subset(ds, split)
 
-    def _set_byte_task(
+    def token_cache(self, task: str) -> TokenCache:
+        return TokenCache(self.cache_root, task)
+
+    def _found_source(self, raw_found: bool, skyformer_names: Sequence[str]) -> str | None:
+        """``raw`` or ``skyformer``, the first that ``self.source`` allows and that is there."""
+        if self.source in ("auto", "raw") and raw_found:
+            return "raw"
+        if self.source in ("auto", "skyformer") and find_skyformer(self.data_dir, skyformer_names):
+            return "skyformer"
+        return None
+
+    def _no_skyformer(self, what: str, skyformer_names: Sequence[str]) -> MissingDataError:
+        """The error for ``source="skyformer"`` without the pickles."""
+        return MissingDataError(
+            f"{what}, Skyformer pickles",
+            skyformer_expected(self.data_dir, skyformer_names),
+            f"See {SKYFORMER_URL}",
+        )
+
+    def _or_skyformer(self, skyformer_names: Sequence[str]) -> str:
+        """How a missing-data message under ``source="auto"`` names the pickles."""
+        folder = self.data_dir / "lra_processed"
+        return f"or put Skyformer's {skyformer_names[0]}.*.pickle in {folder}"
+
+    def _bad(self, path: Path, line: int | None, problem: str, stats: dict) -> None:
+        if not self.skip_malformed:
+            raise DataFormatError(path, line, problem)
+        stats["skipped"] += 1
+
+
+class ByteDataModule(LRADataModule):
+    """Text and Retrieval: UTF-8 bytes, id = byte + 1, pad 0, 2 classes, a token cache. The
+    other constructor arguments go on to SequenceDataModule."""
+
+    def __init__(
         self,
         *,
         max_len: int,
@@ -178,12 +234,12 @@ class LRADataModule(SequenceDataModule):
         skip_malformed: bool,
         use_cache: bool,
         cache_dir: str | None,
+        **loader: Any,
     ) -> None:
-        """Settings Text and Retrieval share: UTF-8 bytes, id = byte + 1, pad 0, 2 classes."""
+        super().__init__(**loader)
         if not isinstance(max_len, int) or max_len <= 0:
             raise ValueError(f"max_len must be a positive integer; got {max_len!r}")
-        if source not in ("auto", "raw", "skyformer"):
-            raise ValueError(f"source must be auto, raw or skyformer; got {source!r}")
+        check_source(source)
         self.vocab_size = 257
         self.num_classes = 2
         self.max_len = max_len
@@ -192,8 +248,10 @@ class LRADataModule(SequenceDataModule):
         self.skip_malformed = skip_malformed
         self.cache_root = resolve_cache_root(self.data_dir, use_cache, cache_dir)
 
-    def token_cache(self, task: str) -> TokenCache:
-        return TokenCache(self.cache_root, task)
+    def _encode(self, data: bytes, stats: dict) -> np.ndarray:
+        ids, cut = encode_bytes(data, self.max_len)
+        stats["truncated"] += int(cut)
+        return ids
 
 
 def resolve_cache_root(data_dir: Path, use_cache: bool, cache_dir: str | None) -> Path | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
-from macformer_lit.data.common import DataFormatError, MissingDataError
+from macformer_lit.data.common import DataFormatError, MissingDataError, constructor_args
 from macformer_lit.data.translation import TokenizerKind, TranslationDataModule
 
 LANGUAGES = ("en", "de", "fr", "cs")
@@ -51,6 +51,8 @@ def read_lines(path: Path) -> list[str]:
 
 
 class Multi30kDataModule(TranslationDataModule):
+    # Explicit signature: LightningCLI reads it; TranslationDataModule and its base do the
+    # work (their docstrings describe the loader arguments).
     def __init__(
         self,
         *,
@@ -89,24 +91,7 @@ class Multi30kDataModule(TranslationDataModule):
                 f"unknown language pair {src_lang}→{tgt_lang}; Multi30K task 1 has "
                 f"{', '.join(LANGUAGES)} (two different ones)"
             )
-        super().__init__(
-            data_dir=data_dir,
-            src_lang=src_lang,
-            tgt_lang=tgt_lang,
-            tokenizer=tokenizer,
-            tokenizer_vocab_size=tokenizer_vocab_size,
-            shared_vocab=shared_vocab,
-            lowercase=lowercase,
-            max_len=max_len,
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            train_size=train_size,
-            val_size=val_size,
-            test_size=test_size,
-            bucket_by_length=bucket_by_length,
-            seed=seed,
-        )
+        super().__init__(**constructor_args(TranslationDataModule, locals()))
         self.hf_dataset = hf_dataset
         self.test_split = test_split
         self._hub = None

@@ -50,19 +50,19 @@ from macformer_lit.data.common import (
     MissingDataError,
     SequenceDataset,
     check_positive,
+    constructor_args,
 )
 from macformer_lit.data.lra_files import (
     LRA_URL,
-    SKYFORMER_URL,
     LRADataModule,
     RaggedDataset,
+    check_source,
     find_skyformer,
     fingerprint,
     lra_release_candidates,
     progress,
     read_skyformer,
     resolve_cache_root,
-    skyformer_expected,
 )
 
 log = logging.getLogger(__name__)
@@ -80,32 +80,19 @@ class PathfinderDataModule(LRADataModule):
     """Pathfinder images as pixel sequences; batches ``{"input_ids", "padding_mask",
     "labels"}`` with L = resolution² and all-True masks.
 
+    Arguments not listed here are described in the base classes.
+
     Args:
-        data_dir: folder holding the unpacked downloads (see the module docstring).
-        batch_size: training batch size.
-        eval_batch_size: validation/test batch size (default: batch_size).
-        num_workers: DataLoader worker processes.
-        train_size: use only the first N training examples.
-        val_size: use only the first N validation examples.
-        test_size: use only the first N test examples.
-        bucket_by_length: batch sequences of similar length together.
-        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
-            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
-        seed: seed of the length-bucketing sampler.
         resolution: image side: 32 (LRA Pathfinder), 64, 128 (Path-X) or 256.
         difficulty: ``hard`` (contour length 14, LRA's), ``intermediate`` (9), ``easy`` (6).
-        source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
-            (raw if present, else Skyformer).
         split_seed: seed of the fixed shuffle before the 80/10/10 split.
-        skip_malformed: skip malformed rows and log their count instead of raising.
         generate: generate ``generate_size`` images when the folder has none (32×32 only).
         generate_size: number of images to generate.
         generate_seed: seed of the generator.
         generate_workers: generator processes (default: all cores).
-        use_cache: tokenise once into a memory-mapped cache (else keep tokens in memory).
-        cache_dir: cache folder (default: ``<data_dir>/.cache``).
     """
 
+    # Explicit signature: LightningCLI reads it; LRADataModule and its bases do the work.
     def __init__(
         self,
         *,
@@ -131,26 +118,14 @@ class PathfinderDataModule(LRADataModule):
         use_cache: bool = True,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__(
-            data_dir=data_dir,
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            train_size=train_size,
-            val_size=val_size,
-            test_size=test_size,
-            bucket_by_length=bucket_by_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            seed=seed,
-        )
+        super().__init__(**constructor_args(LRADataModule, locals()))
         if resolution not in (32, 64, 128, 256):
             raise ValueError(f"resolution must be 32, 64, 128 or 256; got {resolution!r}")
         if difficulty not in DIFFICULTY_FOLDERS:
             raise ValueError(
                 f"difficulty must be one of {list(DIFFICULTY_FOLDERS)}; got {difficulty!r}"
             )
-        if source not in ("auto", "raw", "skyformer"):
-            raise ValueError(f"source must be auto, raw or skyformer; got {source!r}")
+        check_source(source)
         if generate and resolution != 32:
             raise ValueError("generate=True supports resolution 32 only (the LRA 32×32 parameters)")
         check_positive("generate_size", generate_size, allow_none=False)
@@ -192,19 +167,13 @@ class PathfinderDataModule(LRADataModule):
 
     def _resolve(self) -> tuple[str, Path | None]:
         folder = self._raw_folder()
-        if self.source in ("auto", "raw") and folder:
-            return "raw", folder
-        sky = find_skyformer(self.data_dir, self._skyformer_names)
-        if self.source in ("auto", "skyformer") and sky:
-            return "skyformer", None
+        found = self._found_source(folder is not None, self._skyformer_names)
+        if found:
+            return found, folder if found == "raw" else None
         if self.source != "skyformer" and self.generate:
             return "raw", self._generate()
         if self.source == "skyformer":
-            raise MissingDataError(
-                "LRA Pathfinder, Skyformer pickles",
-                skyformer_expected(self.data_dir, self._skyformer_names),
-                f"See {SKYFORMER_URL}",
-            )
+            raise self._no_skyformer("LRA Pathfinder", self._skyformer_names)
         target = self.data_dir / self._relative
         how = (
             f"Download the LRA release ({LRA_URL}, 7.7 GB) and unpack it into {self.data_dir}:\n"
@@ -317,11 +286,6 @@ class PathfinderDataModule(LRADataModule):
         order = np.random.default_rng(self.split_seed).permutation(len(labels))
         self._all = ("raw", pixels, labels, order)
         return self._all
-
-    def _bad(self, path: Path, line: int | None, problem: str, stats: dict) -> None:
-        if not self.skip_malformed:
-            raise DataFormatError(path, line, problem)
-        stats["skipped"] += 1
 
     def _read_raw(self, folder: Path, metadata: list[Path], stats: dict):
         shape = (self.resolution, self.resolution)

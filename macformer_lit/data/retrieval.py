@@ -39,25 +39,22 @@ import numpy as np
 import torch
 
 from macformer_lit.data.common import (
-    DataFormatError,
     MissingDataError,
     SequenceDataset,
+    constructor_args,
     pad_sequences,
 )
 from macformer_lit.data.lra_files import (
     LRA_URL,
-    SKYFORMER_URL,
-    LRADataModule,
+    ByteDataModule,
     RaggedArray,
     RaggedDataset,
-    encode_bytes,
     find_skyformer,
     fingerprint,
     first_existing,
     lra_release_candidates,
     progress,
     read_skyformer,
-    skyformer_expected,
     strip_padding,
 )
 
@@ -107,29 +104,16 @@ class PairCollate:
         }
 
 
-class RetrievalDataModule(LRADataModule):
+class RetrievalDataModule(ByteDataModule):
     """AAN citation pairs as two byte sequences; see the module docstring for batches.
 
+    Arguments not listed here are described in the base classes.
+
     Args:
-        data_dir: folder holding the unpacked downloads (see the module docstring).
-        batch_size: training batch size.
-        eval_batch_size: validation/test batch size (default: batch_size).
-        num_workers: DataLoader worker processes.
-        train_size: use only the first N training examples.
-        val_size: use only the first N validation examples.
-        test_size: use only the first N test examples.
-        bucket_by_length: batch sequences of similar length together.
-        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
-            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
-        seed: seed of the length-bucketing sampler.
         max_len: bytes kept per document (LRA: 4000); longer documents are cut.
-        source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
-            (raw if present, else Skyformer).
-        skip_malformed: skip malformed rows and log their count instead of raising.
-        use_cache: tokenise once into a memory-mapped cache (else keep tokens in memory).
-        cache_dir: cache folder (default: ``<data_dir>/.cache``).
     """
 
+    # Explicit signature: LightningCLI reads it; ByteDataModule and its bases do the work.
     def __init__(
         self,
         *,
@@ -149,26 +133,8 @@ class RetrievalDataModule(LRADataModule):
         use_cache: bool = True,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__(
-            data_dir=data_dir,
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            train_size=train_size,
-            val_size=val_size,
-            test_size=test_size,
-            bucket_by_length=bucket_by_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            seed=seed,
-        )
         # max_len is per document: the model encodes each side separately.
-        self._set_byte_task(
-            max_len=max_len,
-            source=source,
-            skip_malformed=skip_malformed,
-            use_cache=use_cache,
-            cache_dir=cache_dir,
-        )
+        super().__init__(**constructor_args(ByteDataModule, locals()))
 
     def collate(self):
         return PairCollate(self.pad_id, self.pad_to_multiple_of, self.max_len)
@@ -178,17 +144,11 @@ class RetrievalDataModule(LRADataModule):
         return first_existing(lra_release_candidates(self.data_dir, relative))
 
     def _resolve(self) -> str:
-        raw = all(self._tsv(s) for s in TSV_NAMES)
-        if self.source in ("auto", "raw") and raw:
-            return "raw"
-        if self.source in ("auto", "skyformer") and find_skyformer(self.data_dir, SKYFORMER_NAMES):
-            return "skyformer"
+        found = self._found_source(all(self._tsv(s) for s in TSV_NAMES), SKYFORMER_NAMES)
+        if found:
+            return found
         if self.source == "skyformer":
-            raise MissingDataError(
-                "LRA Retrieval (AAN), Skyformer pickles",
-                skyformer_expected(self.data_dir, SKYFORMER_NAMES),
-                f"See {SKYFORMER_URL}",
-            )
+            raise self._no_skyformer("LRA Retrieval (AAN)", SKYFORMER_NAMES)
         expected = [self.data_dir / f"tsv_data/new_aan_pairs.{n}.tsv" for n in TSV_NAMES.values()]
         how = (
             f"Download the LRA release ({LRA_URL}, 7.7 GB) and unpack it into {self.data_dir}:\n"
@@ -196,9 +156,7 @@ class RetrievalDataModule(LRADataModule):
             f"tar -xzf lra_release.gz -C {self.data_dir} --strip-components=1"
         )
         if self.source == "auto":
-            how += (
-                f"\nor put Skyformer's lra-retrieval.*.pickle in {self.data_dir / 'lra_processed'}"
-            )
+            how += "\n" + self._or_skyformer(SKYFORMER_NAMES)
         raise MissingDataError("LRA Retrieval (AAN)", expected, how)
 
     def prepare_data(self) -> None:
@@ -257,16 +215,6 @@ class RetrievalDataModule(LRADataModule):
                 path,
             )
         return PairDataset(first, second, labels)
-
-    def _bad(self, path: Path, line: int | None, problem: str, stats: dict) -> None:
-        if not self.skip_malformed:
-            raise DataFormatError(path, line, problem)
-        stats["skipped"] += 1
-
-    def _encode(self, data: bytes, stats: dict) -> np.ndarray:
-        ids, cut = encode_bytes(data, self.max_len)
-        stats["truncated"] += int(cut)
-        return ids
 
     def _read_tsv(self, path: Path, stats: dict):
         # Bytes, not text: LRA encodes the file's raw bytes, whatever their encoding.

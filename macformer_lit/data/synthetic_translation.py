@@ -50,6 +50,7 @@ import random
 import statistics
 from typing import Literal
 
+from macformer_lit.data.common import constructor_args
 from macformer_lit.data.translation import TokenizerKind, TranslationDataModule
 
 
@@ -502,6 +503,8 @@ def generate_split(
 
 
 class SyntheticTranslationDataModule(TranslationDataModule):
+    # Explicit signature: LightningCLI reads it; TranslationDataModule and its base do the
+    # work (their docstrings describe the loader arguments).
     def __init__(
         self,
         *,
@@ -525,7 +528,9 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         Args:
             data_dir: where the tokenizer is cached (the sentences are made in memory).
             src_lang, tgt_lang: ``en`` → ``de`` (default) or ``de`` → ``en``.
-            train_size, val_size, test_size: sentence pairs per split.
+            train_size: sentence pairs generated for training.
+            val_size: sentence pairs generated for validation.
+            test_size: sentence pairs generated for testing.
             max_len: tokens per sentence; the longest sentences take ~70 BPE tokens.
             seed: the data stream; the same seed gives the same sentences.
         """
@@ -541,24 +546,7 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         ):
             if value is None:
                 raise ValueError(f"{name} must be a positive integer; got None")
-        super().__init__(
-            data_dir=data_dir,
-            src_lang=src_lang,
-            tgt_lang=tgt_lang,
-            tokenizer=tokenizer,
-            tokenizer_vocab_size=tokenizer_vocab_size,
-            shared_vocab=shared_vocab,
-            lowercase=False,
-            max_len=max_len,
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            train_size=train_size,
-            val_size=val_size,
-            test_size=test_size,
-            bucket_by_length=bucket_by_length,
-            seed=seed,
-        )
+        super().__init__(**constructor_args(TranslationDataModule, locals()), lowercase=False)
         self.build_vocabulary()
 
     def read_split(self, split: str) -> tuple[list[str], list[str]]:

@@ -35,13 +35,17 @@ from typing import Literal
 
 import numpy as np
 
-from macformer_lit.data.common import DataFormatError, MissingDataError, SequenceDataset
+from macformer_lit.data.common import (
+    DataFormatError,
+    MissingDataError,
+    SequenceDataset,
+    constructor_args,
+)
 from macformer_lit.data.lra_files import (
     IMDB_URL,
     SKYFORMER_URL,
-    LRADataModule,
+    ByteDataModule,
     RaggedDataset,
-    encode_bytes,
     find_skyformer,
     fingerprint,
     progress,
@@ -58,29 +62,16 @@ _ORDER_SEED = 0
 _LABELS = {"0": 0, "1": 1, "neg": 0, "pos": 1}
 
 
-class TextDataModule(LRADataModule):
+class TextDataModule(ByteDataModule):
     """IMDb reviews as byte sequences; batches ``{"input_ids", "padding_mask", "labels"}``.
 
+    Arguments not listed here are described in the base classes.
+
     Args:
-        data_dir: folder holding the unpacked downloads (see the module docstring).
-        batch_size: training batch size.
-        eval_batch_size: validation/test batch size (default: batch_size).
-        num_workers: DataLoader worker processes.
-        train_size: use only the first N training examples.
-        val_size: use only the first N validation examples.
-        test_size: use only the first N test examples.
-        bucket_by_length: batch sequences of similar length together.
-        pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
-            ``max_len``): a bounded set of shapes keeps a long run's memory flat.
-        seed: seed of the length-bucketing sampler.
         max_len: bytes kept per review (LRA: 4000); longer reviews are cut.
-        source: ``raw`` (public files), ``skyformer`` (Skyformer pickles) or ``auto``
-            (raw if present, else Skyformer).
-        skip_malformed: skip malformed rows and log their count instead of raising.
-        use_cache: tokenise once into a memory-mapped cache (else keep tokens in memory).
-        cache_dir: cache folder (default: ``<data_dir>/.cache``).
     """
 
+    # Explicit signature: LightningCLI reads it; ByteDataModule and its bases do the work.
     def __init__(
         self,
         *,
@@ -100,25 +91,7 @@ class TextDataModule(LRADataModule):
         use_cache: bool = True,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__(
-            data_dir=data_dir,
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            train_size=train_size,
-            val_size=val_size,
-            test_size=test_size,
-            bucket_by_length=bucket_by_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            seed=seed,
-        )
-        self._set_byte_task(
-            max_len=max_len,
-            source=source,
-            skip_malformed=skip_malformed,
-            use_cache=use_cache,
-            cache_dir=cache_dir,
-        )
+        super().__init__(**constructor_args(ByteDataModule, locals()))
         self._loaded: dict[str, SequenceDataset] = {}
 
     def _raw_files(self, split: str) -> tuple[str, list[Path]] | None:
@@ -138,11 +111,15 @@ class TextDataModule(LRADataModule):
 
     def _resolve(self) -> str:
         raw = all(self._raw_files(s) for s in ("train", "test"))
-        sky = find_skyformer(self.data_dir, SKYFORMER_NAMES)
-        if self.source in ("auto", "raw") and raw:
-            return "raw"
-        if self.source in ("auto", "skyformer") and sky:
-            return "skyformer"
+        found = self._found_source(raw, SKYFORMER_NAMES)
+        if found:
+            return found
+        if self.source == "skyformer":
+            raise MissingDataError(
+                "LRA Text (IMDb)",
+                skyformer_expected(self.data_dir, SKYFORMER_NAMES),
+                f"Skyformer's pre-processed pickles: see {SKYFORMER_URL}",
+            )
         expected = [
             self.data_dir / "aclImdb" / s / c for s in ("train", "test") for c in ("pos", "neg")
         ]
@@ -152,11 +129,8 @@ class TextDataModule(LRADataModule):
             f"or export them to {self.data_dir / 'imdb'}/{{train,test}}.jsonl "
             "(fields text, label)"
         )
-        if self.source == "skyformer":
-            expected = skyformer_expected(self.data_dir, SKYFORMER_NAMES)
-            how = f"Skyformer's pre-processed pickles: see {SKYFORMER_URL}"
-        elif self.source == "auto":
-            how += f", or put Skyformer's lra-text.*.pickle in {self.data_dir / 'lra_processed'}"
+        if self.source == "auto":
+            how += ", " + self._or_skyformer(SKYFORMER_NAMES)
         raise MissingDataError("LRA Text (IMDb)", expected, how)
 
     def prepare_data(self) -> None:
@@ -235,16 +209,6 @@ class TextDataModule(LRADataModule):
                 files += sorted(Path(e.path) for e in it if e.name.endswith(".txt"))
         order = np.random.default_rng(_ORDER_SEED).permutation(len(files))
         return [files[i] for i in order]
-
-    def _encode(self, data: bytes, stats: dict) -> np.ndarray:
-        ids, cut = encode_bytes(data, self.max_len)
-        stats["truncated"] += int(cut)
-        return ids
-
-    def _bad(self, path: Path, line: int | None, problem: str, stats: dict) -> None:
-        if not self.skip_malformed:
-            raise DataFormatError(path, line, problem)
-        stats["skipped"] += 1
 
     def _read_aclimdb(self, files: list[Path], stats: dict):
         for path in files:

@@ -34,19 +34,16 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-import lightning as L
 import numpy as np
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from macformer_lit.data.common import (
-    check_loader_args,
+    SplitDataModule,
     check_not_empty,
     check_positive,
-    make_loader,
     pad_sequences,
-    splits_for,
 )
 
 log = logging.getLogger(__name__)
@@ -174,11 +171,12 @@ class TranslationCollate:
         }
 
 
-class TranslationDataModule(L.LightningDataModule):
+class TranslationDataModule(SplitDataModule):
     """Base for sentence-pair tasks. Subclasses implement ``read_split(split)`` returning
     ``(source sentences, target sentences)`` and call ``build_vocabulary()`` at the end of
     their ``__init__``: ``vocab_size``, ``pad_id``, ``bos_id``, ``eos_id`` and ``max_len``
-    then exist before the CLI links them into the model."""
+    then exist before the CLI links them into the model. The other constructor arguments
+    are SplitDataModule's."""
 
     pad_id = SPECIAL_TOKENS.index(PAD)
     bos_id = SPECIAL_TOKENS.index(BOS)
@@ -189,54 +187,31 @@ class TranslationDataModule(L.LightningDataModule):
     def __init__(
         self,
         *,
-        data_dir: str,
         src_lang: str,
         tgt_lang: str,
-        tokenizer: TokenizerKind = "bpe",
-        tokenizer_vocab_size: int = 8000,
-        shared_vocab: bool = True,
-        lowercase: bool = False,
-        max_len: int = 128,
-        batch_size: int = 128,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        train_size: int | None = None,
-        val_size: int | None = None,
-        test_size: int | None = None,
-        bucket_by_length: bool = True,
-        seed: int = 0,
+        tokenizer: TokenizerKind,
+        tokenizer_vocab_size: int,
+        shared_vocab: bool,
+        lowercase: bool,
+        max_len: int,
+        **loader: Any,
     ) -> None:
-        super().__init__()
         check_positive("tokenizer_vocab_size", tokenizer_vocab_size)
         check_positive("max_len", max_len)
-        check_loader_args(
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_workers=num_workers,
-            sizes=(train_size, val_size, test_size),
-        )
+        super().__init__(**loader)
         if max_len < 3:
             raise ValueError(f"max_len must leave room for <s>, a token and </s>; got {max_len}")
         if tokenizer not in TOKENIZER_KINDS:
             raise ValueError(
                 f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZER_KINDS)}"
             )
-        self.data_dir = Path(data_dir).expanduser()
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.tokenizer_kind = tokenizer
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self.shared_vocab = shared_vocab
         self.lowercase = lowercase
         self.max_len = max_len
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_workers = num_workers
-        self.sizes = {"train": train_size, "val": val_size, "test": test_size}
-        self.bucket_by_length = bucket_by_length
-        self.seed = seed
         self.texts: dict[str, tuple[list[str], list[str]]] = {}
-        self.datasets: dict[str, TranslationDataset] = {}
-        self.test_at_fit = False  # see data.common.splits_for
 
     # ---- what subclasses provide --------------------------------------------------------
     def read_split(self, split: str) -> tuple[list[str], list[str]]:
@@ -311,43 +286,15 @@ class TranslationDataModule(L.LightningDataModule):
         ids = [i for i in ids if len(SPECIAL_TOKENS) <= i < self.tgt_vocab_size]
         return self.tgt_tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    def split_source(self, split: str) -> str:
-        """Where ``split`` is read from, for messages (subclasses name the files)."""
-        return f"{self.data_dir} ({split} split)"
+    # ---- what SplitDataModule builds the loaders from -----------------------------------
+    def make_dataset(self, split: str) -> TranslationDataset:
+        src, tgt = self.split_texts(split)
+        check_not_empty(len(src), split, self.split_source(split))
+        src_ids, tgt_ids = self.encode_source(src), self.encode_target(tgt)
+        cut = sum(len(ids) == self.max_len for ids in src_ids + tgt_ids)
+        if cut:
+            log.warning("%s: %d sequence(s) cut to max_len=%d tokens", split, cut, self.max_len)
+        return TranslationDataset(src_ids, tgt_ids, src, tgt)
 
-    # ---- Lightning hooks ----------------------------------------------------------------
-    def setup(self, stage: str | None = None) -> None:
-        for split in splits_for(stage, test_at_fit=self.test_at_fit):
-            if split not in self.datasets:
-                src, tgt = self.split_texts(split)
-                check_not_empty(len(src), split, self.split_source(split))
-                src_ids, tgt_ids = self.encode_source(src), self.encode_target(tgt)
-                cut = sum(len(ids) == self.max_len for ids in src_ids + tgt_ids)
-                if cut:
-                    log.warning(
-                        "%s: %d sequence(s) cut to max_len=%d tokens", split, cut, self.max_len
-                    )
-                self.datasets[split] = TranslationDataset(src_ids, tgt_ids, src, tgt)
-
-    def _loader(self, split: str, train: bool) -> DataLoader:
-        return make_loader(
-            self.datasets[split],
-            batch_size=self.batch_size if train else self.eval_batch_size,
-            train=train,
-            collate_fn=TranslationCollate(self.pad_id),
-            num_workers=self.num_workers,
-            bucket_by_length=self.bucket_by_length,
-            seed=self.seed,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", train=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
+    def collate(self) -> TranslationCollate:
+        return TranslationCollate(self.pad_id)

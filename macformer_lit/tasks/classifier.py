@@ -15,27 +15,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
-from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from macformer_lit.attention.spec import as_spec
 from macformer_lit.models import DualEncoderClassifier, EncoderClassifier
 from macformer_lit.models.classifier import Pooling
 
-from .compat import CheckpointCompatibility
-from .optim import adamw_warmup_linear, check_optim_args
-from .reduce import log_stage_loss
-
-STAGES = ("train", "val", "test")
+from .base import STAGES, LitTask
+from .optim import check_optim_args
+from .reduce import eval_mean_losses, log_stage_loss
 
 
-class LitClassifier(CheckpointCompatibility, L.LightningModule):
+class LitClassifier(LitTask):
     # The metric ModelCheckpoint keeps the best of, and whether higher is better.
     checkpoint_monitor = ("val/acc", "max")
 
+    # Explicit signature: LightningCLI reads it; the model's part goes on to the classifier.
     def __init__(
         self,
         *,
@@ -88,7 +85,7 @@ class LitClassifier(CheckpointCompatibility, L.LightningModule):
         self.acc = torch.nn.ModuleDict(
             {f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in STAGES}
         )
-        self.mean_loss = torch.nn.ModuleDict({f"{s}_loss": MeanMetric() for s in ("val", "test")})
+        self.mean_loss = eval_mean_losses()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.hparams.dual_encoder:
@@ -113,37 +110,9 @@ class LitClassifier(CheckpointCompatibility, L.LightningModule):
         acc(logits, batch["labels"])
         batch_size = batch["labels"].shape[0]
         log_stage_loss(self, stage, loss, batch_size)
-        self.log(
-            f"{stage}/acc",
-            acc,
-            on_step=False,
-            on_epoch=True,
-            prog_bar=stage != "train",
-            batch_size=batch_size,
-        )
+        self.log_stage_metric(stage, "acc", acc, batch_size)
         return loss
-
-    def training_step(self, batch, batch_idx):
-        return self._shared_step(batch, "train")
-
-    def validation_step(self, batch, batch_idx):
-        self._shared_step(batch, "val")
-
-    def test_step(self, batch, batch_idx):
-        self._shared_step(batch, "test")
 
     def predict_step(self, batch, batch_idx):
         probs = self(batch).float().softmax(-1)
         return {"pred": probs.argmax(-1), "probs": probs, "labels": batch.get("labels")}
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_warmup_linear(
-            self,
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            warmup_steps=hp.warmup_steps,
-            total_steps=int(self.trainer.estimated_stepping_batches),
-        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from torchmetrics import MeanMetric
 
 
 def global_mean(
@@ -26,6 +27,12 @@ def global_mean(
     stats = trainer.strategy.reduce(stats, reduce_op="sum")
     total = float(stats[1])
     return stats[0] / max(total, 1.0), max(int(round(total)), 1)
+
+
+def eval_mean_losses() -> torch.nn.ModuleDict:
+    """The ``mean_loss`` a module that calls ``log_stage_loss`` holds: a MeanMetric per
+    evaluation stage (``val_loss``, ``test_loss``: nn.Module reserves the key "train")."""
+    return torch.nn.ModuleDict({f"{s}_loss": MeanMetric() for s in ("val", "test")})
 
 
 def log_stage_loss(module: L.LightningModule, stage: str, loss: torch.Tensor, weight: int) -> None:

@@ -29,21 +29,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from sacrebleu.metrics import BLEU
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import Metric
 
 from macformer_lit.attention.spec import as_spec
 from macformer_lit.models.seq2seq import Seq2SeqTransformer
 
-from .compat import CheckpointCompatibility
-from .optim import adamw_warmup_linear, check_optim_args
-from .reduce import log_stage_loss
-
-STAGES = ("train", "val", "test")
+from .base import STAGES, LitTask
+from .optim import check_optim_args
+from .reduce import eval_mean_losses, log_stage_loss
 
 
 class CorpusBLEU(Metric):
@@ -115,9 +112,10 @@ def label_smoothed_nll(
     return per_token.sum() / n_tokens.clamp_min(1), nll.sum(), n_tokens
 
 
-class LitTranslator(CheckpointCompatibility, L.LightningModule):
+class LitTranslator(LitTask):
     checkpoint_monitor = ("val/loss", "min")
 
+    # Explicit signature: LightningCLI reads it; the model's part goes on to Seq2SeqTransformer.
     def __init__(
         self,
         *,
@@ -204,7 +202,7 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
         # nn.Module reserves the key "train", hence the suffixes.
         self.ppl = torch.nn.ModuleDict({f"{s}_ppl": TokenPerplexity() for s in STAGES})
         # Not Lightning's sync_dist mean: it truncates an all-reduced integer weight.
-        self.mean_loss = torch.nn.ModuleDict({f"{s}_loss": MeanMetric() for s in ("val", "test")})
+        self.mean_loss = eval_mean_losses()
         self.bleu = torch.nn.ModuleDict({f"{s}_bleu": CorpusBLEU() for s in ("val", "test")})
         self.bleu_tok = torch.nn.ModuleDict(
             {f"{s}_bleu_tok": CorpusBLEU(lowercase=True, tokenize="intl") for s in ("val", "test")}
@@ -234,26 +232,16 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
         # Token-weighted epoch means, like the perplexity.
         weight = max(int(n_tokens), 1)
         log_stage_loss(self, stage, loss, weight)
-        self.log(
-            f"{stage}/ppl",
-            ppl,
-            on_step=False,
-            on_epoch=True,
-            prog_bar=stage != "train",
-            batch_size=weight,
-        )
+        self.log_stage_metric(stage, "ppl", ppl, weight)
         return loss
 
-    def training_step(self, batch, batch_idx):
-        return self._shared_step(batch, "train")
-
     def validation_step(self, batch, batch_idx):
-        self._shared_step(batch, "val")
+        super().validation_step(batch, batch_idx)
         if self.hparams.bleu_on_val:
             self._score(batch, "val")
 
     def test_step(self, batch, batch_idx):
-        self._shared_step(batch, "test")
+        super().test_step(batch, batch_idx)
         self._score(batch, "test")
 
     def predict_step(self, batch, batch_idx):
@@ -360,15 +348,3 @@ class LitTranslator(CheckpointCompatibility, L.LightningModule):
                     )
                 except Exception as err:  # noqa: BLE001 - a table must never stop training
                     rank_zero_warn(f"could not log the sample table to W&B: {err}")
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_warmup_linear(
-            self,
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            warmup_steps=hp.warmup_steps,
-            total_steps=int(self.trainer.estimated_stepping_batches),
-        )
