@@ -1,8 +1,9 @@
 """Weights & Biases that never prompts: online with credentials, offline without.
 
-With no API key (``WANDB_API_KEY`` or a ``~/.netrc`` entry for api.wandb.ai) the run is
-written offline under ``<save_dir>/wandb/offline-run-*`` and the log says how to
-``wandb sync`` it. ``WANDB_MODE`` in the environment wins over the guess.
+With no API key (``WANDB_API_KEY``, or a password in the netrc entry for the W&B host:
+``WANDB_BASE_URL``'s, default api.wandb.ai, in the file wandb reads, ``$NETRC`` or
+``~/.netrc``) the run is written offline under ``<save_dir>/wandb/offline-run-*`` and the
+log says how to ``wandb sync`` it. ``WANDB_MODE`` in the environment wins over the guess.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import netrc
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -24,14 +26,31 @@ log = logging.getLogger(__name__)
 Mode = Literal["auto", "online", "offline", "disabled"]
 
 
+def netrc_path() -> Path:
+    """The netrc file wandb reads its key from (``wandb.sdk.lib.wbauth.wbnetrc``): ``$NETRC``
+    when set and not empty (``~`` expanded), else ``~/.netrc``, else ``~/_netrc`` if only
+    that one exists."""
+    if os.environ.get("NETRC"):
+        return Path(os.environ["NETRC"]).expanduser()
+    home = Path.home()
+    if not (home / ".netrc").exists() and (home / "_netrc").exists():
+        return home / "_netrc"
+    return home / ".netrc"
+
+
 def has_wandb_credentials() -> bool:
+    """Whether wandb will find an API key: ``WANDB_API_KEY``, or a netrc entry with a
+    password for the W&B host. An entry without a password holds no key (wandb would ask
+    for one), and an unreadable file none either."""
     if os.environ.get("WANDB_API_KEY"):
         return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
     try:
-        path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-        return path.is_file() and netrc.netrc(path).authenticators("api.wandb.ai") is not None
+        path = netrc_path()
+        entry = netrc.netrc(path).authenticators(host) if path.is_file() else None
     except (OSError, netrc.NetrcParseError):
         return False
+    return entry is not None and bool(entry[2])
 
 
 def resolve_mode(mode: Mode) -> str:

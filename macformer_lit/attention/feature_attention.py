@@ -39,6 +39,13 @@ def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -
     return out + phi_q.transpose(-1, -2) @ state
 
 
+def fallback_means_always(device: torch.device) -> bool:
+    """Whether the fallback's means are built for every row, needed or not: off the CPU
+    (knowing whether a row needs them is a host sync there) and under torch.compile (a graph
+    break). The values are the same either way: ``where`` picks the same entries."""
+    return device.type != "cpu" or torch.compiler.is_compiling()
+
+
 def per_head(stat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reduce-free reshape of a (B, H) statistic to broadcast against ``like`` (B, H, ...)."""
     return stat.reshape(*stat.shape[:2], *([1] * (like.dim() - 2)))
@@ -222,10 +229,9 @@ class FeatureAttention(AttentionBackend):
         # The fallback is uniform attention over the visible keys, which every kernel tends to
         # after pre-SBN. Rows needing it are rare: on the CPU ``bad.any()`` is free, so the
         # means are built only then; on an accelerator it would be a host sync, and under
-        # torch.compile a graph break, so they are always built (same values: ``where``
-        # picks the same entries either way).
+        # torch.compile a graph break, so they are always built (``fallback_means_always``).
         if self.denominator == "fallback" and (
-            out.device.type != "cpu" or torch.compiler.is_compiling() or bool(bad.any())
+            fallback_means_always(out.device) or bool(bad.any())
         ):
             sums = visible_sums()
             mean = sums[..., :-1] / sums[..., -1:].clamp_min(1.0)

@@ -20,8 +20,8 @@ def _hard_case():
     return q, k, v
 
 
-def _engaged_rate(attn, q, k, causal):
-    """Fraction of query rows whose float64 reference denominator φ(q_i)·Σ_j φ(k_j) is not above
+def _engaged_count(attn, q, k, causal):
+    """Number of query rows whose float64 reference denominator φ(q_i)·Σ_j φ(k_j) is not above
     eps·(visible keys), the rows the policy acts on; none lies within rounding of it."""
     s = attn.head_dim**-0.25
     phi_q, phi_k = rmf_features(attn, q * s), rmf_features(attn, k * s)
@@ -33,7 +33,14 @@ def _engaged_rate(attn, q, k, causal):
     if not causal:
         threshold = torch.full_like(threshold, attn.denominator_eps * k.shape[2])
     assert float((den - threshold).abs().min()) > 1e-9 * float(den.abs().max())
-    return float((den <= threshold).double().mean())
+    return int((den <= threshold).sum())
+
+
+# Measured on the seeded hard case (2 x 2 heads x 16 rows = 64, degrees [0, 0, 0, 1, 1, 2, 3, 5]):
+# 27 rows engage the policy, bidirectional and causal alike (not the same rows). Pinned so
+# that a change of the fixture or the draw shows, and so that the test is known to exercise
+# both kinds of rows.
+ENGAGED_ROWS = {False: 27, True: 27}
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -45,9 +52,10 @@ def test_policies_match_reference_and_report_engagement(policy, causal):
     attn = attn.double()
     attn.collect_stats = True
     out = attn(q, k, v, causal=causal)
-    expected_rate = _engaged_rate(attn, q, k, causal)
-    assert 0.05 < expected_rate < 1  # the hard case engages the policy on some rows, not all
-    assert float(attn.last_stats["denominator_engaged"]) == pytest.approx(expected_rate, rel=1e-6)
+    engaged = _engaged_count(attn, q, k, causal)
+    assert engaged == ENGAGED_ROWS[causal]
+    # The rate is engaged / 64, exact in float32 (a multiple of 2^-6): equal, not close.
+    assert float(attn.last_stats["denominator_engaged"]) == engaged / out.shape[:3].numel()
     expected = reference_forward(attn, q, k, v, causal=causal)
     torch.testing.assert_close(out, expected, rtol=1e-7, atol=1e-9, equal_nan=True)
     if policy != "none":
@@ -62,7 +70,7 @@ def test_fallback_rows_are_uniform_attention():
     raw.load_state_dict(attn.state_dict())
     out, unsafe = attn(q, k, v), raw.double()(q, k, v)
     fell_back = (out != unsafe).any(-1)
-    assert fell_back.any()
+    assert int(fell_back.sum()) == ENGAGED_ROWS[False]  # exactly the engaged rows changed
     torch.testing.assert_close(out[fell_back], uniform_attention(q, k, v)[fell_back])
 
 

@@ -1,6 +1,7 @@
 """The real LightningCLI: config lookup, composition, links, every shipped YAML, a tiny fit."""
 
 import csv
+import inspect
 import os
 import subprocess
 import sys
@@ -10,9 +11,12 @@ import pytest
 import torch
 import yaml
 
+from macformer_lit.attention import _PRE_SBN_OPTIONS as PRE_SBN_OPTIONS
+from macformer_lit.attention import AttentionBackend, Kernel, build_attention
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.cli import (
     CONFIG_DIR,
+    LINKED,
     ConfigNotFound,
     MacformerCLI,
     main,
@@ -124,14 +128,25 @@ def test_every_task_config_parses_and_instantiates(name, tmp_path):
         ],
         run=False,
     )
-    # The DataModule's facts reach the model through the CLI links: every one, for each task.
-    if type(cli.model).__name__ == "LitTranslator":
-        linked = ("vocab_size", "max_len", "pad_id", "bos_id", "eos_id")
-    else:
-        assert type(cli.model).__name__ == "LitClassifier", type(cli.model)
-        linked = ("vocab_size", "max_len", "pad_id", "num_classes")
-    for key in linked:
+    # The task each config builds is known from its name (asserted, so both kinds of link
+    # below are exercised), and the DataModule's facts reach the model through the CLI
+    # links: every one, for each task.
+    task = "LitTranslator" if name in TRANSLATION_CONFIGS else "LitClassifier"
+    assert type(cli.model).__name__ == task
+    for key in LINKED_FACTS[task]:
         assert cli.model.hparams[key] == getattr(cli.datamodule, key), key
+
+
+TRANSLATION_CONFIGS = ("multi30k.yaml", "translation_synthetic.yaml")
+LINKED_FACTS = {
+    "LitTranslator": ("vocab_size", "max_len", "pad_id", "bos_id", "eos_id"),
+    "LitClassifier": ("vocab_size", "max_len", "pad_id", "num_classes"),
+}
+
+
+def test_the_link_lists_cover_every_cli_link_and_every_translation_config():
+    assert set(LINKED_FACTS["LitTranslator"]) | set(LINKED_FACTS["LitClassifier"]) == set(LINKED)
+    assert set(TRANSLATION_CONFIGS) < set(TOP_CONFIGS)
 
 
 @pytest.mark.parametrize("name", ATTENTION_CONFIGS)
@@ -142,10 +157,41 @@ def test_every_attention_config_composes_with_a_task(name, tmp_path):
     )
     spec = cli.model.hparams["attention"]
     # The backend is the file name's first word (rmfa_exp_h01 -> rmfa), and every setting in
-    # the file reaches the model unchanged.
+    # the file reaches the saved hyperparameters unchanged.
     assert spec["name"] == name.split(".")[0].split("_")[0]
     shipped = yaml.safe_load((CONFIG_DIR / "attention" / name).read_text())["model"]["attention"]
     assert {key: spec[key] for key in shipped} == shipped
+    # The hyperparameters are the CLI's config dump (LightningCLI hands them to
+    # save_hyperparameters), not what the model was built with: the layers themselves must
+    # equal the backend built directly from the file, every setting of it.
+    hp = cli.model.hparams
+    options = {key: value for key, value in shipped.items() if key != "name"}
+    expected = build_attention(
+        shipped["name"], head_dim=hp.d_model // hp.num_heads, num_heads=hp.num_heads, **options
+    )
+    layers = [m for m in cli.model.modules() if isinstance(m, AttentionBackend)]
+    want = [backend_settings(m) for m in expected.modules() if isinstance(m, AttentionBackend)]
+    # Every option of the file is among the settings compared (sbn_eps is the wrapper's eps).
+    compared = {key for _, settings in want for key in settings}
+    renamed = {"pre_sbn": "pre", "post_sbn": "post", **PRE_SBN_OPTIONS}
+    assert {renamed.get(key, key) for key in options} <= compared
+    assert len(layers) == hp.num_layers * len(want)
+    for i in range(hp.num_layers):
+        assert [backend_settings(m) for m in layers[i * len(want) : (i + 1) * len(want)]] == want
+
+
+def backend_settings(module):
+    """A backend's class and the value of every constructor argument it keeps (kernel by
+    name); nothing drawn at random."""
+    params = inspect.signature(type(module).__init__).parameters
+    settings = {
+        name: getattr(module, name)
+        for name in params
+        if name not in ("self", "inner") and hasattr(module, name)
+    }
+    return type(module).__name__, {
+        key: value.name if isinstance(value, Kernel) else value for key, value in settings.items()
+    }
 
 
 def test_dotted_override_and_links(tmp_path):
@@ -222,10 +268,11 @@ def test_tiny_fit_leaves_wandb_run_csv_and_checkpoints(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "tiny" / "version_0"
-    assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(list((run / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     rows = list(csv.DictReader(open(run / "metrics.csv")))
-    assert any(r.get("train/loss_step") for r in rows)
-    assert any(r.get("test/acc") for r in rows)
+    # One training row per step (log_every_n_steps 1, max_steps 3) and one test row.
+    assert sum(bool(r.get("train/loss_step")) for r in rows) == 3
+    assert sum(bool(r.get("test/acc")) for r in rows) == 1
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert "max_steps: 3" in (run / "config.yaml").read_text()
     # The dropout mask generator is part of what a replay needs.
