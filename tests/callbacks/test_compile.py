@@ -91,8 +91,9 @@ def _column(run: Path, key: str) -> list[float]:
 @pytest.mark.parametrize(
     "backend",
     [
-        pytest.param([], id="softmax"),
-        # Tracing Macformer's forward and backward for each new shape takes minutes here.
+        # ~40 s each (tracing forward and backward per new shape): the default run checks
+        # the plan above and tests/attention/test_attention_compile.py the backends.
+        pytest.param([], id="softmax", marks=pytest.mark.slow),
         pytest.param(
             ["--config", "attention/rmfa_exp.yaml"], id="macformer", marks=pytest.mark.slow
         ),

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from ddp_probe import probe_env, read_rows, run_cli
 
@@ -99,6 +100,9 @@ def _kill_at_step(tmp, step):
     assert proc.returncode == -signal.SIGKILL
 
 
+# ~40 s: kept out of the default run, where test_resume_exact.py (exact resume) and
+# tests/cli/test_preemption.py (a signal, then --ckpt_path last) cover the same path.
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
     run_cli(_args(tmp_path, "--experiment", "full"), cwd=tmp_path)
     # Validation (and with it last.ckpt) every 3 steps: killed at step 8, the run
