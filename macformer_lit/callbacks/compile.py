@@ -111,7 +111,3 @@ class CompileModel(L.Callback):
             line += "; left eager: " + "; ".join(self.eager)
         if rank_zero_only.rank == 0:
             log.info(line)
-
-    @staticmethod
-    def is_compiled(module: nn.Module) -> bool:
-        return getattr(module, "_compiled_call_impl", None) is not None

@@ -83,6 +83,14 @@ def _fit(root: Path, name: str, *extra: str) -> Path:
     return root / "runs" / name / "version_0"
 
 
+def _aot_config(tmp_path: Path) -> Path:
+    cfg = yaml.safe_load((CONFIG_DIR / "trainer/compile.yaml").read_text())
+    cfg["trainer"]["callbacks"][0]["init_args"]["backend"] = "aot_eager"
+    path = tmp_path / "compile_aot.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 def _column(run: Path, key: str) -> list[float]:
     with open(run / "metrics.csv", newline="") as f:
         return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
@@ -100,10 +108,7 @@ def _column(run: Path, key: str) -> list[float]:
     ],
 )
 def test_a_compiled_fit_equals_the_eager_one(tmp_path, capfd, backend):
-    compiled_cfg = yaml.safe_load((CONFIG_DIR / "trainer/compile.yaml").read_text())
-    compiled_cfg["trainer"]["callbacks"][0]["init_args"]["backend"] = "aot_eager"
-    cfg = tmp_path / "compile_aot.yaml"
-    cfg.write_text(yaml.safe_dump(compiled_cfg))
+    cfg = _aot_config(tmp_path)
     eager = _fit(tmp_path, "eager", *backend)
     compiled = _fit(tmp_path, "compiled", *backend, "--config", str(cfg))
     assert "compile (aot_eager): model" in capfd.readouterr().err
@@ -125,14 +130,6 @@ def test_compile_needs_a_model_attribute():
 
     with pytest.raises(ValueError, match="has no .model to compile"):
         CompileModel().setup(None, NoModel(), "fit")
-
-
-def _aot_config(tmp_path: Path) -> Path:
-    cfg = yaml.safe_load((CONFIG_DIR / "trainer/compile.yaml").read_text())
-    cfg["trainer"]["callbacks"][0]["init_args"]["backend"] = "aot_eager"
-    path = tmp_path / "compile_aot.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 @pytest.mark.slow
