@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
 import re
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from macformer_lit.attention import _PRE_SBN_OPTIONS, BACKENDS, PPSBNAttention
+from macformer_lit.attention.spec import full_spec
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.runs import versions
 from macformer_lit.tasks.compat import STRUCTURAL
@@ -236,30 +235,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _defaults(cls: type) -> dict[str, Any]:
-    params = inspect.signature(cls.__init__).parameters
-    return {
-        k: p.default
-        for k, p in params.items()
-        if p.default is not inspect.Parameter.empty and k not in ("head_dim", "num_heads")
-    }
-
-
 def full_attention_spec(spec: Any) -> dict[str, Any]:
     """``spec`` with every option it leaves out set to its default, so that
-    ``{name: softmax}`` equals ``{name: softmax, dropout: 0.0}``."""
-    spec = dict(_plain(spec) or {"name": "softmax"})
-    cls = BACKENDS.get(spec.get("name"))
-    if cls is None:
-        return spec
-    full: dict[str, Any] = {"pre_sbn": False, "post_sbn": False, **_defaults(cls)}
-    if spec.get("pre_sbn") or spec.get("post_sbn"):
-        sbn = _defaults(PPSBNAttention)
-        full.update({key: sbn[arg] for key, arg in _PRE_SBN_OPTIONS.items()})
-    if spec.get("pre_sbn") and "bounded_inputs" in full:
-        full["bounded_inputs"] = True  # build_attention's own rule
-    full.update(spec)
-    return full
+    ``{name: softmax}`` equals ``{name: softmax, dropout: 0.0}`` (``attention.spec.full_spec``)."""
+    return full_spec(_plain(spec))
 
 
 def _show(value: Any) -> str:

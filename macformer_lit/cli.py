@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import textwrap
+import typing
+from importlib import import_module
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +28,7 @@ os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 import warnings  # noqa: E402
 
 import lightning as L  # noqa: E402
+from jsonargparse import DefaultHelpFormatter  # noqa: E402
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import (  # noqa: E402
     LightningArgumentParser,
@@ -39,7 +43,12 @@ from lightning.pytorch.utilities.exceptions import (  # noqa: E402
     SIGTERMException,
 )
 
-from macformer_lit.attention.spec import as_spec, check_attention_spec  # noqa: E402
+from macformer_lit.attention.spec import (  # noqa: E402
+    AttentionSpec,
+    as_spec,
+    check_attention_spec,
+    describe_backends,
+)
 from macformer_lit.callbacks import (  # noqa: E402
     AttentionTelemetry,
     FeatureRedraw,
@@ -240,6 +249,35 @@ SUBCOMMANDS = {
 EPILOG = "subcommands: " + "; ".join(f"{k}: {v}" for k, v in SUBCOMMANDS.items())
 
 
+def attention_arguments(class_path: str | None) -> list[str]:
+    """The model's constructor arguments typed ``AttentionSpec`` (its attention specs)."""
+    if not class_path:
+        return []
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(import_module(module), name)
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # not importable here: jsonargparse reports it
+        return []
+    return [key for key, hint in hints.items() if hint == AttentionSpec]
+
+
+class _HelpFormatter(DefaultHelpFormatter):
+    """Descriptions and epilogs keep their lines (each wrapped on its own, continuation
+    lines indented): the epilog lists one backend a line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = []
+        for line in text.splitlines():
+            lead = indent + " " * (len(line) - len(line.lstrip()))
+            lines.append(
+                textwrap.fill(
+                    line.strip(), width, initial_indent=lead, subsequent_indent=lead + "    "
+                )
+            )
+        return "\n".join(lines)
+
+
 class _Parser(LightningArgumentParser):
     """jsonargparse's parser whose errors are one line (``preflight.short_parse_error``)
     instead of the usage block and every union the value passed through."""
@@ -271,6 +309,12 @@ class MacformerCLI(LightningCLI):
                 "parser_mode": "omegaconf",
                 "description": DESCRIPTION,
                 "epilog": EPILOG,
+                "formatter_class": _HelpFormatter,
+                # fit/validate/test/predict --help end with the attention backends' options.
+                **{
+                    name: {"epilog": describe_backends(), "formatter_class": _HelpFormatter}
+                    for name in ("fit", "validate", "test", "predict")
+                },
             },
             parser_class=_Parser,
             save_config_callback=SaveRunConfig,
@@ -403,8 +447,8 @@ class MacformerCLI(LightningCLI):
         model = cfg.get("model")
         init = model.get("init_args") if model is not None and "init_args" in model else None
         if init is not None:
-            for key in list(vars(init)):
-                if key.endswith("attention") and isinstance(init.get(key), str):
+            for key in attention_arguments(model.get("class_path")):
+                if isinstance(init.get(key), str):
                     init[key] = as_spec(init.get(key))  # config.yaml records the mapping
             data_max = data_init.get("max_len") if data_init is not None else None
             max_len = data_max if data_max is not None else init.get("max_len")
@@ -412,7 +456,8 @@ class MacformerCLI(LightningCLI):
             check_model_size(max_len, init.get("d_model"), source=source)
 
     def _check_attention(self, cfg) -> None:
-        """Every ``*attention`` spec of the model, checked at parse time (attention/spec.py)."""
+        """Every attention spec of the model (its arguments typed ``AttentionSpec``), checked
+        at parse time (attention/spec.py)."""
         model = cfg.get("model")
         init = model.get("init_args") if model is not None and "init_args" in model else None
         if init is None or "d_model" not in init or "num_heads" not in init:
@@ -424,16 +469,15 @@ class MacformerCLI(LightningCLI):
             raise ValueError(
                 f"model.init_args.d_model={d_model} is not divisible by num_heads={num_heads}"
             )
-        for key in list(vars(init)):
-            if key.endswith("attention"):
-                spec = init.get(key)
-                spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
-                check_attention_spec(
-                    spec,
-                    head_dim=d_model // num_heads,
-                    num_heads=num_heads,
-                    where=f"model.init_args.{key}",
-                )
+        for key in attention_arguments(model.get("class_path")):
+            spec = init.get(key)
+            spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
+            check_attention_spec(
+                spec,
+                head_dim=d_model // num_heads,
+                num_heads=num_heads,
+                where=f"model.init_args.{key}",
+            )
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         cfg = self._cfg(self.config_init)
@@ -618,8 +662,6 @@ def majority_baseline(datamodule) -> float | None:
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in ("sweep", "report"):
-        from importlib import import_module
-
         import_module(f"macformer_lit.{argv[0]}").main(argv[1:])
         return
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:

@@ -1,13 +1,13 @@
 """Attention backends behind one contract (docs/maths.md §1) and a plain registry.
 
-Adding a backend: one file in this folder, one line in ``BACKENDS``, one YAML under
-``configs/attention/``, one entry in ``reference.REFERENCES``. The contract tests pick it
-up from the registry.
+Adding a backend: one file in this folder (its typed ``__init__`` declares its options, its
+``reference`` is beside ``_attend`` or derived from the feature maps), one line in
+``BACKENDS``, one YAML under ``configs/attention/``. The contract tests and the CLI's config
+tests pick it up from the registry and the YAML folder.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import nn
@@ -21,6 +21,7 @@ from .linear import LinearAttention
 from .ppsbn import PPSBNAttention
 from .rmfa import RMFAttention
 from .softmax import SoftmaxAttention
+from .spec import AttentionSpec, backend_options, parse_spec
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "softmax": SoftmaxAttention,
@@ -30,58 +31,42 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "linear": LinearAttention,
 }
 
-# build_attention option -> PPSBNAttention argument; these only make sense with pre_sbn.
-_PRE_SBN_OPTIONS = {
-    "sbn_eps": "eps",
-    "sbn_momentum": "momentum",
-    "sbn_stats": "stats",
-    "sbn_train_stats": "train_stats",
-    "temperature_max": "temperature_max",
-}
-
 
 def build_attention(
-    name: str,
+    spec: AttentionSpec = None,
     *,
     head_dim: int,
     num_heads: int,
-    pre_sbn: bool = False,
-    post_sbn: bool = False,
+    causal_queries: bool = False,
     **options: Any,
 ) -> nn.Module:
-    """Build backend ``name`` for heads of size ``head_dim``; ``options`` go to its constructor.
+    """Build the backend a spec names for heads of size ``head_dim``.
 
-    ``pre_sbn`` / ``post_sbn`` wrap any backend in ppSBN (``ppsbn.PPSBNAttention``), tuned by
-    ``sbn_eps``, ``sbn_momentum``, ``sbn_stats``, ``sbn_train_stats`` and
-    ``temperature_max``. With pre-SBN, a backend that takes ``bounded_inputs`` gets True.
+    ``spec`` is a mapping ``{name: rmfa, kernel: exp, ...}`` as in ``configs/attention/``, a
+    bare backend name, or None (softmax); keyword ``options`` add to it, so
+    ``build_attention("rmfa", head_dim=16, num_heads=4, pre_sbn=True)`` works too. The spec
+    is checked by ``spec.parse_spec`` against the backend's signature and ppSBN's
+    (``pre_sbn``, ``post_sbn``, ``sbn_eps``, ``sbn_momentum``, ``sbn_stats``,
+    ``sbn_train_stats``, ``temperature_max``; ``PPSBNAttention`` wraps the backend when
+    either switch is on). With pre-SBN, a backend that takes ``bounded_inputs`` gets True.
+    ``causal_queries`` is the model's to set: queries causal although the call is not
+    (decoder cross-attention), which ppSBN's ``sbn_train_stats: auto`` then respects.
     """
-    if name not in BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))}"
-        )
     if head_dim < 1 or num_heads < 1:
         raise ValueError(f"head_dim and num_heads must be >= 1; got {head_dim}, {num_heads}")
-    cls = BACKENDS[name]
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "head_dim", "num_heads"}
-    sbn = {
-        _PRE_SBN_OPTIONS[key]: options.pop(key) for key in list(options) if key in _PRE_SBN_OPTIONS
-    }
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise ValueError(
-            f"attention backend {name!r} has no option(s) {', '.join(unknown)}; its options are: "
-            f"{', '.join(sorted(accepted | {'pre_sbn', 'post_sbn', *_PRE_SBN_OPTIONS}))}"
-        )
-    if sbn and not pre_sbn:
-        given = [key for key, arg in _PRE_SBN_OPTIONS.items() if arg in sbn]
-        raise ValueError(f"option(s) {', '.join(given)} act inside pre-SBN: set pre_sbn: true")
-    if pre_sbn and "bounded_inputs" in accepted:
+    parsed = parse_spec(spec, check_types=False, **options)
+    cls, options = BACKENDS[parsed.name], dict(parsed.options)
+    if parsed.sbn["pre_sbn"] and "bounded_inputs" in backend_options(parsed.name):
         options.setdefault("bounded_inputs", True)
     backend = cls(head_dim=head_dim, num_heads=num_heads, **options)
-    if not (pre_sbn or post_sbn):
+    if not parsed.wrapped:
         return backend
     return PPSBNAttention(
-        backend, head_dim=head_dim, num_heads=num_heads, pre=pre_sbn, post=post_sbn, **sbn
+        backend,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        causal_queries=causal_queries,
+        **parsed.sbn,
     )
 
 
@@ -97,11 +82,12 @@ def attention_cores(model: nn.Module) -> list[tuple[str, AttentionBackend]]:
 
 def random_feature_backends(model: nn.Module) -> list[FeatureAttention]:
     """Backends with redrawable random features, in module order (= layer index)."""
-    return [m for _, m in attention_cores(model) if getattr(m, "random_features", False)]
+    return [m for _, m in attention_cores(model) if m.random_features]
 
 
 __all__ = [
     "BACKENDS",
+    "AttentionSpec",
     "DENOMINATOR_POLICIES",
     "KERNELS",
     "AttentionBackend",

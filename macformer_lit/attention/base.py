@@ -13,18 +13,41 @@ never in a backend.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 
 class AttentionBackend(nn.Module):
-    """Base class: subclasses implement ``_attend`` on validated inputs.
+    """Base class: subclasses implement ``_attend`` on validated inputs, and ``reference``.
 
-    ``target_kernel`` names the exact kernelized attention a backend stands for (telemetry
-    measures its error against it).
+    The whole protocol a backend may take part in, declared here:
+
+    - ``__init__(self, *, head_dim, num_heads, **options)``: keyword-only, every option typed
+      with a default. The signature is the declaration of the backend's spec options
+      (``attention.spec`` reads it for the CLI's checks and ``--help``): nothing else lists
+      them.
+    - ``_attend(q, k, v, *, key_padding_mask, causal)``: the computation.
+    - ``reference(q, k, v, *, key_padding_mask, causal)``: a slow, obviously correct float64
+      version for the contract tests. ``FeatureAttention`` derives it from the feature maps;
+      other backends write it beside ``_attend``.
+    - ``step``: one causal decoding step (a key/value cache by default).
+    - ``target_kernel``: the exact kernelized attention the backend stands for (telemetry
+      measures its error against it).
+    - ``collect_stats`` / ``last_stats``: while ``collect_stats`` is on, a forward call may
+      record statistics of itself in ``last_stats``; callers use ``forward_with_stats``.
+    - ``diagnose``: forensics of one forward after a non-finite value (NaNGuard); ``{}``
+      where a backend has none.
     """
 
-    target_kernel = "exp"
+    target_kernel: str = "exp"
+    random_features: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collect_stats = False
+        self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(
         self,
@@ -76,6 +99,55 @@ class AttentionBackend(nn.Module):
         causal: bool,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def reference(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        """The same attention computed slowly and plainly in float64 (dense (N, M) matrices,
+        no stabilisers, no chunking), for tests; see ``attention/reference.py``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no reference(): write its slow float64 version beside "
+            "_attend (or subclass FeatureAttention, which derives it from the feature maps)"
+        )
+
+    def forward_with_stats(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``forward`` plus the statistics the backend records of the call (``{}`` if it
+        records none), e.g. ``denominator_engaged`` for the feature-map backends."""
+        collecting = self.collect_stats
+        self.collect_stats, self.last_stats = True, {}
+        try:
+            out = self(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
+            return out, dict(self.last_stats)
+        finally:
+            self.collect_stats = collecting
+
+    @torch.no_grad()
+    def diagnose(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> dict[str, float]:
+        """Forensics of one forward on these inputs, called after a non-finite loss or
+        gradient; ``{}`` for a backend with nothing to add to the input ranges."""
+        return {}
 
 
 def check_inputs(

@@ -16,7 +16,13 @@ from typing import Literal
 
 import torch
 
-from .feature_attention import Denominator, FeatureAttention, per_head
+from .feature_attention import (
+    Denominator,
+    FeatureAttention,
+    KeyFeatures,
+    QueryFeatures,
+    per_head,
+)
 from .features import sample_orthogonal_gaussian
 
 
@@ -75,12 +81,22 @@ class FavorAttention(FeatureAttention):
         if keep is not None:
             # Zeroed padded keys sit at h = -ref, which may overflow: send them to exp(-inf) = 0.
             h = h.masked_fill(~keep, -torch.inf)
-        return h.exp(), ref
+        return KeyFeatures(h.exp(), ref)
 
     def _query_features(self, q, ref):
         proj = self._project(q)
         stab = proj.detach().amax(dim=-2, keepdim=True)  # (B, H, 1, N)
-        return (proj - (stab + 0.5 * math.log(self.num_features))).exp(), None
+        return QueryFeatures((proj - (stab + 0.5 * math.log(self.num_features))).exp(), None)
 
     def _rescale_state(self, ref_old, ref_new):
         return (ref_old - ref_new).exp()
+
+    def reference_features(self, q, k, key_padding_mask):
+        """φ(x) = m^{-1/2} exp(Wx − ‖x‖²/2), x = q/d^{1/4}, with no stabiliser."""
+        w = self.weight.double()
+
+        def phi(x):
+            x = x.double() * self.head_dim**-0.25
+            return torch.exp(x @ w.T - x.pow(2).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
+
+        return phi(q), phi(k)

@@ -16,7 +16,7 @@ subclasses keep their draw in buffers, redrawn only by ``redraw_features`` (call
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import ClassVar, Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -46,16 +46,61 @@ def fallback_means_always(device: torch.device) -> bool:
     return device.type != "cpu" or torch.compiler.is_compiling()
 
 
+def _resize_to_incoming_draw(module, state_dict, prefix, *args) -> None:
+    """A checkpoint may hold a draw of another size: resize the buffers to it before the copy."""
+    for name in module.resizable_buffers:
+        incoming = state_dict.get(prefix + name)
+        if incoming is not None and incoming.shape != getattr(module, name).shape:
+            getattr(module, name).resize_(incoming.shape)
+
+
+def _refresh_after_load(module, incompatible_keys) -> None:
+    """The derived buffers follow the loaded draw."""
+    module._refresh()
+
+
 def per_head(stat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reduce-free reshape of a (B, H) statistic to broadcast against ``like`` (B, H, ...)."""
     return stat.reshape(*stat.shape[:2], *([1] * (like.dim() - 2)))
 
 
-class FeatureAttention(AttentionBackend):
-    """Base of φ(q)ᵀφ(k) backends; subclasses define ``_key_features``/``_query_features``."""
+class KeyFeatures(NamedTuple):
+    """φ of the keys, (B, H, ..., D', L), and ``ref``: None, or a detached per-(batch, head)
+    key statistic fixing the numerical range (it cancels in the ratio)."""
 
-    signed_features = False
-    random_features = False
+    phi: torch.Tensor
+    ref: torch.Tensor | None
+
+
+class QueryFeatures(NamedTuple):
+    """φ of the queries, (B, H, ..., D', L), and ``den_scale``: None, or the per-(batch, head)
+    factor by which the query features were scaled (the denominator threshold follows it)."""
+
+    phi: torch.Tensor
+    den_scale: torch.Tensor | None
+
+
+class FeatureAttention(AttentionBackend):
+    """Base of φ(q)ᵀφ(k) backends. The subclass protocol, all of it:
+
+    - ``_key_features(k, keep, floor) -> KeyFeatures`` and ``_query_features(q, ref) ->
+      QueryFeatures`` on x (B, H, ..., L, d) -> φ (B, H, ..., D', L). ``keep`` is None or a
+      bool broadcastable to (B, H, ..., 1, L) marking real keys; ``floor`` is the running
+      ``ref`` while decoding (the new ``ref`` must be ≥ it).
+    - ``_rescale_state(ref_old, ref_new)``: the factor moving a decoding state from one
+      ``ref`` to the next; needed only when ``_key_features`` returns a ``ref``.
+    - ``reference_features(q, k, key_padding_mask) -> (φ_q, φ_k)``, float64 rows
+      (B, H, L, D'): what ``reference`` is built on. The default evaluates the two hooks
+      above in float64; a backend with an independent slow map overrides it.
+    - class flags: ``signed_features`` (features may be negative: the denominator policy then
+      tests against eps·n), ``random_features`` (a draw in buffers, redrawn by
+      ``redraw_features``; such a subclass defines ``_draw(generator)`` and ``_refresh()``
+      and lists in ``resizable_buffers`` the buffers whose shape a draw may change).
+    """
+
+    signed_features: ClassVar[bool] = False
+    random_features: ClassVar[bool] = False
+    resizable_buffers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -77,22 +122,38 @@ class FeatureAttention(AttentionBackend):
         self.head_dim, self.num_heads = head_dim, num_heads
         self.denominator, self.denominator_eps = denominator, denominator_eps
         self.chunk_size = chunk_size
-        self.collect_stats = False
-        self.last_stats: dict[str, torch.Tensor] = {}
+        if self.random_features:
+            self._register_load_hooks()
 
-    # Subclass interface, on x (B, H, ..., L, d) -> φ (B, H, ..., D', L). ``keep`` is None or
-    # a bool broadcastable to (B, H, ..., 1, L) marking real keys. ``ref`` is a detached
-    # per-(B, H) key statistic fixing the numerical range (an exact reformulation: it cancels);
-    # ``floor`` is its running value while decoding, ``_rescale_state`` moves the state to a
-    # new one.
-    def _key_features(self, k, keep, floor):  # -> (phi, ref | None)
+    # ---- the subclass protocol (see the class docstring) ------------------------------
+    def _key_features(
+        self, k: torch.Tensor, keep: torch.Tensor | None, floor: torch.Tensor | None
+    ) -> KeyFeatures:
         raise NotImplementedError
 
-    def _query_features(self, q, ref):  # -> (phi, den_scale | None)
+    def _query_features(self, q: torch.Tensor, ref: torch.Tensor | None) -> QueryFeatures:
         raise NotImplementedError
 
-    def _rescale_state(self, ref_old, ref_new):
-        raise NotImplementedError
+    def _rescale_state(self, ref_old: torch.Tensor, ref_new: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} returns a ref but no _rescale_state")
+
+    def reference_features(
+        self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(φ_q, φ_k) in float64, rows (B, H, L, D'), from the hooks. Their per-(batch, head)
+        scale cancels in the ratio; for signed features the denominator threshold would
+        follow it, so a signed backend whose hooks rescale overrides this (RMFA does)."""
+        keep = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        phi_k, ref = self._key_features(k.double(), keep, None)
+        phi_q, _ = self._query_features(q.double(), ref)
+        return phi_q.transpose(-1, -2), phi_k.transpose(-1, -2)
+
+    def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
+        """Dense φ(q)φ(k)ᵀ attention in float64 with this backend's denominator policy."""
+        from .reference import feature_attention
+
+        phi_q, phi_k = self.reference_features(q, k, key_padding_mask)
+        return feature_attention(self, phi_q, phi_k, v, key_padding_mask, causal)
 
     def _attend(self, q, k, v, *, key_padding_mask, causal):
         dtype = q.dtype
@@ -255,17 +316,16 @@ class FeatureAttention(AttentionBackend):
         buf = getattr(self, name)
         buf.set_(value.to(device=buf.device, dtype=buf.dtype))
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name in getattr(self, "_resizable_buffers", ()):
-            incoming = state_dict.get(prefix + name)
-            if incoming is not None and incoming.shape != getattr(self, name).shape:
-                getattr(self, name).resize_(incoming.shape)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.random_features:
-            self._refresh()
+    def _register_load_hooks(self) -> None:
+        # Public hooks of module-level functions (a closure over self would follow a deepcopy
+        # back to the original module, and would not pickle).
+        self.register_load_state_dict_pre_hook(_resize_to_incoming_draw)
+        self.register_load_state_dict_post_hook(_refresh_after_load)
 
     def _apply(self, fn, recurse=True):
-        # Derived buffers are rebuilt from the draw at the new dtype (exact scales in float64).
+        # Derived buffers are rebuilt from the draw at the new dtype (exact scales in float64,
+        # not float32 values cast up). The private override stays: nn.Module has no public
+        # hook that runs after .to() / .double() / .cuda().
         super()._apply(fn, recurse)
         if self.random_features:
             self._refresh()

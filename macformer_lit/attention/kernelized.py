@@ -55,3 +55,8 @@ class KernelizedAttention(AttentionBackend):
             den = weights.sum(-1, keepdim=True)
             out = (weights @ v) / den.clamp_min(torch.finfo(den.dtype).tiny)
         return out.to(dtype)
+
+    def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
+        from .reference import kernelized_attention
+
+        return kernelized_attention(q, k, v, self.kernel, key_padding_mask, causal)

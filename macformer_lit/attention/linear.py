@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .feature_attention import Denominator, FeatureAttention
+from .feature_attention import Denominator, FeatureAttention, KeyFeatures, QueryFeatures
 
 
 class LinearAttention(FeatureAttention):
@@ -32,7 +32,7 @@ class LinearAttention(FeatureAttention):
         )
 
     def _key_features(self, k, key_padding_mask, floor):
-        return (F.elu(k) + 1.0).transpose(-1, -2), None
+        return KeyFeatures((F.elu(k) + 1.0).transpose(-1, -2), None)
 
     def _query_features(self, q, ref):
-        return (F.elu(q) + 1.0).transpose(-1, -2), None
+        return QueryFeatures((F.elu(q) + 1.0).transpose(-1, -2), None)

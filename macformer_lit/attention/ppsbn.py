@@ -5,8 +5,8 @@ and the real positions only (BatchNorm semantics: running estimates for eval, sy
 across DDP ranks, no affine), then L2-normalise each row, so |q·k|/√d ≤ 1/√d. ``stats: row``
 is the SchoenbAt release's per-row standardisation instead. In causal attention batch
 statistics would let position i see positions > i, so there training uses the running
-estimates too (``train_stats: auto``); decoder cross-attention, whose queries are causal
-although the call is not, should set ``train_stats: running``.
+estimates too (``sbn_train_stats: auto``); so does decoder cross-attention, whose queries
+are causal although the call is not (the model builds it with ``causal_queries=True``).
 An optional learnable temperature τ ∈ [1/τ_max, τ_max] (τ = 1 at init) scales q after the
 L2 step: sharper attention at the price of a larger kernel argument.
 Post-SBN: out ← sign(γ·out)·|γ·out|^β, γ and β per (head, channel), β = exp(·) > 0, both 1 at
@@ -129,29 +129,41 @@ class _PostSBN(torch.autograd.Function):
 
 
 class PPSBNAttention(AttentionBackend):
+    """ppSBN around ``inner``. Its keyword options are the spec's own (``attention: {name:
+    rmfa, pre_sbn: true, sbn_eps: 1e-13}``): this signature is where they are declared, and
+    ``attention.spec`` reads them from it. ``causal_queries`` is not a spec option: the
+    model sets it where the queries are causal although the call is not (decoder
+    cross-attention), so that ``sbn_train_stats: auto`` trains on running statistics there.
+    """
+
     def __init__(
         self,
         inner: AttentionBackend,
         *,
         head_dim: int,
         num_heads: int,
-        pre: bool = True,
-        post: bool = True,
-        eps: float = 1e-13,
-        momentum: float = 0.1,
-        stats: Literal["batch", "row"] = "batch",
-        train_stats: Literal["auto", "batch", "running"] = "auto",
+        pre_sbn: bool = False,
+        post_sbn: bool = False,
+        sbn_eps: float = 1e-13,
+        sbn_momentum: float = 0.1,
+        sbn_stats: Literal["batch", "row"] = "batch",
+        sbn_train_stats: Literal["auto", "batch", "running"] = "auto",
         temperature_max: float | None = None,
+        causal_queries: bool = False,
     ) -> None:
         super().__init__()
-        if stats not in ("batch", "row"):
-            raise ValueError(f"sbn_stats must be 'batch' or 'row'; got {stats!r}")
-        if train_stats not in ("auto", "batch", "running"):
-            raise ValueError(f"sbn_train_stats must be auto, batch or running; got {train_stats!r}")
-        if not (eps > 0 and 0 < momentum <= 1):
-            raise ValueError(f"need sbn_eps > 0 and 0 < sbn_momentum <= 1; got {eps}, {momentum}")
+        if sbn_stats not in ("batch", "row"):
+            raise ValueError(f"sbn_stats must be 'batch' or 'row'; got {sbn_stats!r}")
+        if sbn_train_stats not in ("auto", "batch", "running"):
+            raise ValueError(
+                f"sbn_train_stats must be auto, batch or running; got {sbn_train_stats!r}"
+            )
+        if not (sbn_eps > 0 and 0 < sbn_momentum <= 1):
+            raise ValueError(
+                f"need sbn_eps > 0 and 0 < sbn_momentum <= 1; got {sbn_eps}, {sbn_momentum}"
+            )
         if temperature_max is not None:
-            if not pre:
+            if not pre_sbn:
                 raise ValueError("temperature_max acts inside pre-SBN: set pre_sbn: true")
             if not temperature_max > 1.0:
                 raise ValueError(f"temperature_max must be > 1; got {temperature_max}")
@@ -161,23 +173,40 @@ class PPSBNAttention(AttentionBackend):
                     f"kernel {kernel.name!r} needs |q·k|/√d < 1, i.e. temperature_max < "
                     f"√head_dim = {math.sqrt(head_dim):.3g}; got {temperature_max}"
                 )
-        self.inner, self.pre, self.post = inner, pre, post
-        self.eps, self.momentum, self.stats, self.train_stats = eps, momentum, stats, train_stats
-        self.temperature_max = temperature_max
+        self.inner, self.pre_sbn, self.post_sbn = inner, pre_sbn, post_sbn
+        self.sbn_eps, self.sbn_momentum = sbn_eps, sbn_momentum
+        self.sbn_stats, self.sbn_train_stats = sbn_stats, sbn_train_stats
+        self.temperature_max, self.causal_queries = temperature_max, causal_queries
         self.target_kernel = inner.target_kernel
-        if pre and stats == "batch":
+        if pre_sbn and sbn_stats == "batch":
             self.register_buffer("running_mean", torch.zeros(2, num_heads, head_dim))
             self.register_buffer("running_var", torch.ones(2, num_heads, head_dim))
         if temperature_max is not None:
             self.temperature_logit = nn.Parameter(torch.zeros(num_heads, 1, 1))
-        if post:
+        if post_sbn:
             self.gamma = nn.Parameter(torch.ones(num_heads, 1, head_dim))
             self.log_beta = nn.Parameter(torch.zeros(num_heads, 1, head_dim))
 
+    @property
+    def pre(self) -> bool:
+        return self.pre_sbn
+
+    @property
+    def post(self) -> bool:
+        return self.post_sbn
+
+    def leak_free(self, causal: bool) -> bool:
+        """Whether training uses the running estimates instead of batch statistics: asked
+        for (``sbn_train_stats: running``), or ``auto`` where batch statistics would let a
+        query position see later ones (a causal call, or causal queries)."""
+        return self.sbn_train_stats == "running" or (
+            self.sbn_train_stats == "auto" and (causal or self.causal_queries)
+        )
+
     def extra_repr(self) -> str:
         return (
-            f"pre={self.pre}, post={self.post}, stats={self.stats}, eps={self.eps}, "
-            f"temperature_max={self.temperature_max}"
+            f"pre_sbn={self.pre_sbn}, post_sbn={self.post_sbn}, sbn_stats={self.sbn_stats}, "
+            f"sbn_eps={self.sbn_eps}, temperature_max={self.temperature_max}"
         )
 
     def temperature(self) -> torch.Tensor:
@@ -186,9 +215,9 @@ class PPSBNAttention(AttentionBackend):
         return torch.exp(bound * torch.tanh(self.temperature_logit / bound))
 
     def _standardise(self, x, mask, which: int, update: bool):
-        if self.stats == "row":
+        if self.sbn_stats == "row":
             x = x - x.mean(-1, keepdim=True)
-            return x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.eps)
+            return x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.sbn_eps)
         # Running estimates (evaluation, and causal training); training on batch statistics
         # takes _BatchStandardiseNormalise instead. Copies: the update below is in place.
         mean = self.running_mean[which][:, None].clone()
@@ -196,7 +225,7 @@ class PPSBNAttention(AttentionBackend):
         if update:
             batch_mean, batch_var, n = self._moments(x, mask, differentiable=False)
             self._update_running(which, batch_mean, batch_var, n)
-        inv_std = torch.rsqrt(var + self.eps)
+        inv_std = torch.rsqrt(var + self.sbn_eps)
         return torch.addcmul(-mean * inv_std, x, inv_std)  # (x − μ)/σ in one pass
 
     @staticmethod
@@ -222,12 +251,12 @@ class PPSBNAttention(AttentionBackend):
         return mean, _all_reduce(sq, differentiable)[:, None] / n, n
 
     def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool):
-        if self.stats == "batch" and not running:
+        if self.sbn_stats == "batch" and not running:
             # Training on batch statistics: the fused forward/backward (same numbers).
             w, n = _row_weights(x, mask)
             # eps as a tensor: a Python float argument becomes symbolic under torch.compile's
             # dynamic shapes, which autograd.Function tracing does not support.
-            eps = torch.full((), self.eps, dtype=x.dtype, device=x.device)
+            eps = torch.full((), self.sbn_eps, dtype=x.dtype, device=x.device)
             y, mean, var = _BatchStandardiseNormalise.apply(x, w, n, eps)
             if update:
                 self._update_running(which, mean, var, n)
@@ -237,8 +266,8 @@ class PPSBNAttention(AttentionBackend):
     @torch.no_grad()
     def _update_running(self, which: int, mean, var, n):
         unbiased = var * n / (n - 1).clamp_min(1.0)
-        self.running_mean[which].lerp_(mean[:, 0], self.momentum)
-        self.running_var[which].lerp_(unbiased[:, 0], self.momentum)
+        self.running_mean[which].lerp_(mean[:, 0], self.sbn_momentum)
+        self.running_var[which].lerp_(unbiased[:, 0], self.sbn_momentum)
 
     def _pre_sbn(self, q, k, q_mask, k_mask, running: bool, update: bool):
         q = self._pre_sbn_one(q, q_mask, 0, running, update)
@@ -263,16 +292,15 @@ class PPSBNAttention(AttentionBackend):
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = q.to(ct), k.to(ct), v.to(ct)
-            if self.pre:
+            if self.pre_sbn:
                 if query_padding_mask is None and causal:
                     query_padding_mask = key_padding_mask
-                leak_free = self.train_stats == "running" or (self.train_stats == "auto" and causal)
-                running = not self.training or leak_free
+                running = not self.training or self.leak_free(causal)
                 q, k = self._pre_sbn(
                     q, k, query_padding_mask, key_padding_mask, running, update=self.training
                 )
             out = self.inner(q, k, v, key_padding_mask=key_padding_mask, causal=causal).to(ct)
-            if self.post:
+            if self.post_sbn:
                 out = self._post_sbn(out)
         return out.to(dtype)
 
@@ -281,8 +309,8 @@ class PPSBNAttention(AttentionBackend):
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = q.to(ct), k.to(ct), v.to(ct)
-            if self.pre:
+            if self.pre_sbn:
                 q, k = self._pre_sbn(q, k, None, None, running=True, update=False)
             out, state = self.inner.step(q, k, v, state)
-            out = self._post_sbn(out.to(ct)) if self.post else out.to(ct)
+            out = self._post_sbn(out.to(ct)) if self.post_sbn else out.to(ct)
         return out.to(dtype), state

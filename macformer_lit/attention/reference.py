@@ -1,9 +1,10 @@
-"""Slow, obviously correct versions of every backend, for tests (fla ``ops/*/naive.py``).
+"""Slow, obviously correct building blocks for the backends' ``reference`` methods, for
+tests and telemetry (fla ``ops/*/naive.py``).
 
 Everything runs in float64 with dense (N, M) matrices, features one at a time from the
-module's own buffers, no stabilisers, no chunking. ``REFERENCES`` maps a registry name to
-``fn(module, q, k, v, key_padding_mask, causal)``; ``reference_forward`` also unwraps ppSBN.
-A new backend adds its entry here and is then covered by the contract tests.
+module's own buffers, no stabilisers, no chunking. Each backend's ``reference`` lives with
+the backend (``FeatureAttention`` derives it from the feature maps); ``reference_forward``
+calls it and unwraps ppSBN.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .features import MIN_DEGREE
 from .kernels import Kernel, get_kernel
@@ -108,59 +108,20 @@ def rmf_features(module, x):
     return torch.cat(feats, -1)
 
 
-def _rmfa(module, q, k, v, key_padding_mask, causal):
-    s = module.head_dim**-0.25
-    phi_q, phi_k = rmf_features(module, q.double() * s), rmf_features(module, k.double() * s)
-    return feature_attention(module, phi_q, phi_k, v, key_padding_mask, causal)
-
-
-def _favor(module, q, k, v, key_padding_mask, causal):
-    w = module.weight.double()
-
-    def phi(x):
-        x = x.double() * module.head_dim**-0.25
-        return torch.exp(x @ w.T - x.pow(2).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
-
-    return feature_attention(module, phi(q), phi(k), v, key_padding_mask, causal)
-
-
-def _linear(module, q, k, v, key_padding_mask, causal):
-    phi_q, phi_k = F.elu(q.double()) + 1, F.elu(k.double()) + 1
-    return feature_attention(module, phi_q, phi_k, v, key_padding_mask, causal)
-
-
-def _softmax(module, q, k, v, key_padding_mask, causal):
-    return kernelized_attention(q, k, v, "exp", key_padding_mask, causal)
-
-
-def _kernelized(module, q, k, v, key_padding_mask, causal):
-    return kernelized_attention(q, k, v, module.kernel, key_padding_mask, causal)
-
-
-REFERENCES = {
-    "softmax": _softmax,
-    "kernelized": _kernelized,
-    "rmfa": _rmfa,
-    "favor": _favor,
-    "linear": _linear,
-}
-
-
 def _pre_sbn(module, x, mask, which, causal):
     x = x.double()
-    leak_free = module.train_stats == "running" or (module.train_stats == "auto" and causal)
-    if module.stats == "row":
+    if module.sbn_stats == "row":
         x = x - x.mean(-1, keepdim=True)
-        x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + module.eps)
-    elif module.training and not leak_free:
+        x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + module.sbn_eps)
+    elif module.training and not module.leak_free(causal):
         real = x.permute(1, 0, 2, 3)  # (H, B, L, d)
         real = real[:, mask] if mask is not None else real.flatten(1, 2)  # (H, n, d)
         mean, var = real.mean(1, keepdim=True), real.var(1, unbiased=False, keepdim=True)
-        x = (x - mean) / torch.sqrt(var + module.eps)  # (H, 1, d) broadcasts
+        x = (x - mean) / torch.sqrt(var + module.sbn_eps)  # (H, 1, d) broadcasts
     else:
         mean = module.running_mean[which].double()[:, None]
         var = module.running_var[which].double()[:, None]
-        x = (x - mean) / torch.sqrt(var + module.eps)
+        x = (x - mean) / torch.sqrt(var + module.sbn_eps)
     x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     if which == 0 and module.temperature_max is not None:
         x = x * module.temperature().double()
@@ -175,19 +136,18 @@ def reference_forward(
     For ppSBN in training, call it before the module: the module's forward moves the
     running estimates the reference may read.
     """
-    from . import BACKENDS, PPSBNAttention
+    from .ppsbn import PPSBNAttention
 
     if not isinstance(module, PPSBNAttention):
-        name = next(n for n, cls in BACKENDS.items() if type(module) is cls)
-        return REFERENCES[name](module, q, k, v, key_padding_mask, causal)
-    if module.pre:
+        return module.reference(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
+    if module.pre_sbn:
         q_mask = key_padding_mask if query_padding_mask is None and causal else query_padding_mask
         q = _pre_sbn(module, q, q_mask, 0, causal)
         k = _pre_sbn(module, k, key_padding_mask, 1, causal)
     out = reference_forward(
         module.inner, q, k, v.double(), key_padding_mask=key_padding_mask, causal=causal
     )
-    if module.post:
+    if module.post_sbn:
         y = module.gamma.double() * out
         out = torch.sign(y) * y.abs().pow(module.log_beta.double().exp())
     return out

@@ -19,7 +19,13 @@ from typing import Literal
 
 import torch
 
-from .feature_attention import Denominator, FeatureAttention, per_head
+from .feature_attention import (
+    Denominator,
+    FeatureAttention,
+    KeyFeatures,
+    QueryFeatures,
+    per_head,
+)
 from .features import MIN_DEGREE, MaclaurinMap, maclaurin_layout, sample_maclaurin
 from .kernels import get_kernel
 
@@ -27,7 +33,7 @@ from .kernels import get_kernel
 class RMFAttention(FeatureAttention):
     signed_features = True
     random_features = True
-    _resizable_buffers = ("degrees", "omega")
+    resizable_buffers = ("degrees", "omega")
 
     def __init__(
         self,
@@ -112,7 +118,7 @@ class RMFAttention(FeatureAttention):
         ref = self._log_max_norm(k)
         if floor is not None:
             ref = torch.maximum(ref, floor)
-        return self._map(k, -ref, torch.zeros_like(ref)), ref
+        return KeyFeatures(self._map(k, -ref, torch.zeros_like(ref)), ref)
 
     def _query_features(self, q, ref):
         log_rq = self._log_max_norm(q)
@@ -122,7 +128,14 @@ class RMFAttention(FeatureAttention):
         first = self._first_degree.to(q.dtype)[:, None]
         is_first = self._is_first.to(q.dtype)[:, None]
         log_rows = first * s + is_first * log_kappa - log_rq  # (B, H, ..., S, 1)
-        return self._map(q, log_rows, log_kappa), log_kappa.exp()
+        return QueryFeatures(self._map(q, log_rows, log_kappa), log_kappa.exp())
 
     def _rescale_state(self, ref_old, ref_new):
         return ((ref_old - ref_new) * self._row_degree.to(ref_new.dtype)[:, None]).exp()
+
+    def reference_features(self, q, k, key_padding_mask):
+        """Φ one feature at a time from the draw, no range scaling (reference.rmf_features)."""
+        from .reference import rmf_features
+
+        s = self.head_dim**-0.25
+        return rmf_features(self, q.double() * s), rmf_features(self, k.double() * s)

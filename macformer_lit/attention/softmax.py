@@ -39,3 +39,8 @@ class SoftmaxAttention(AttentionBackend):
             # A query whose keys are all padding gets NaN from SDPA; zero it instead.
             out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
         return out
+
+    def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
+        from .reference import kernelized_attention
+
+        return kernelized_attention(q, k, v, "exp", key_padding_mask, causal)

@@ -1,15 +1,14 @@
-"""Check an attention spec from a config before anything is built or loaded.
+"""The attention spec: what ``attention: {name: rmfa, kernel: exp, pre_sbn: true}`` may say,
+and the one function that checks it.
 
-The CLI calls ``check_attention_spec`` on every ``*attention`` argument of the model right
-after parsing, so a wrong backend, option, type, choice or range stops the run at parse
-time with the valid choices, before data is read or a model is built:
-
-1. the backend name and option names (``build_attention``'s own messages);
-2. each option's type and choices against the constructor's annotations (``Literal``
-   choices listed);
-3. the backends' own range checks (``num_features >= 1``, ``p > 1``, restricted kernels
-   without pre-SBN, ...), by building the backend once for the model's head size with the
-   global random state saved and restored, so a seeded run draws the same weights.
+A spec is a backend name and options. The options are declared once, typed, where they
+act: each backend's own ``__init__`` signature (``BACKENDS[name]``) and the ppSBN wrapper's
+(``PPSBNAttention``: ``pre_sbn``, ``post_sbn``, ``sbn_*``, ``temperature_max``). Nothing
+else lists them. ``parse_spec`` checks a spec against those signatures (the backend name,
+each option's name, type and ``Literal`` choices, options of pre-SBN without it) and splits
+it; ``build_attention`` builds from its result, and the constructors check ranges. The CLI
+calls ``check_attention_spec`` (a trial build) on every attention argument of the model
+right after parsing, so a wrong spec stops a run before data is read or a model is built.
 """
 
 from __future__ import annotations
@@ -17,20 +16,56 @@ from __future__ import annotations
 import inspect
 import types
 import typing
+from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 import torch
 
-from . import _PRE_SBN_OPTIONS as PRE_SBN_OPTIONS
-from . import BACKENDS, PPSBNAttention, build_attention
+# What a spec may be in a config: a mapping, a bare backend name, or nothing (softmax).
+AttentionSpec = dict[str, Any] | str | None
 
-_COMMON: dict[str, Any] = {"pre_sbn": bool, "post_sbn": bool}
+# Constructor arguments the model supplies, never a spec: the wrapped backend, the head
+# shape, and whether the queries are causal although the call is not.
+STRUCTURAL = ("self", "inner", "head_dim", "num_heads", "causal_queries")
+# The wrapper's switches; its other options act inside pre-SBN.
+SBN_SWITCHES = ("pre_sbn", "post_sbn")
+
+
+@dataclass(frozen=True)
+class ParsedSpec:
+    """A checked spec: the backend, its options, and the ppSBN wrapper's (empty if none)."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    sbn: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wrapped(self) -> bool:
+        return bool(self.sbn.get("pre_sbn") or self.sbn.get("post_sbn"))
+
+
+def _parameters(cls: type) -> dict[str, inspect.Parameter]:
+    params = inspect.signature(cls.__init__).parameters
+    return {k: p for k, p in params.items() if k not in STRUCTURAL and p.kind == p.KEYWORD_ONLY}
 
 
 def _hints(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls.__init__)
-    params = inspect.signature(cls.__init__).parameters
-    return {k: v for k, v in hints.items() if k in params and k not in ("head_dim", "num_heads")}
+    return {k: v for k, v in hints.items() if k in _parameters(cls)}
+
+
+def backend_options(name: str) -> dict[str, inspect.Parameter]:
+    """The options of backend ``name``, in signature order (defaults included)."""
+    from . import BACKENDS
+
+    return _parameters(BACKENDS[name])
+
+
+def sbn_options() -> dict[str, inspect.Parameter]:
+    """The ppSBN wrapper's options (``pre_sbn``, ``post_sbn``, ``sbn_*``, ``temperature_max``)."""
+    from .ppsbn import PPSBNAttention
+
+    return _parameters(PPSBNAttention)
 
 
 def _describe(hint: Any) -> str:
@@ -63,47 +98,116 @@ def _fits(value: Any, hint: Any) -> bool:
     return True  # an annotation this check does not know: left to the constructor
 
 
-def _check_types(name: str, options: dict[str, Any], where: str) -> None:
-    hints = {**_COMMON, **_hints(BACKENDS[name])}
-    sbn_hints = _hints(PPSBNAttention)
-    hints.update({key: sbn_hints[arg] for key, arg in PRE_SBN_OPTIONS.items()})
-    for key, value in options.items():
-        hint = hints.get(key)
-        if hint is None or _fits(value, hint):
-            continue
-        raise ValueError(
-            f"{where}: option {key}={value!r} of attention backend {name!r} must be "
-            f"{_describe(hint)}"
-        )
-
-
-def as_spec(spec: dict[str, Any] | str | None) -> dict[str, Any] | None:
+def as_spec(spec: AttentionSpec) -> dict[str, Any] | None:
     """A bare backend name (``attention: rmfa`` in a config) means ``{name: rmfa}``."""
     return {"name": spec} if isinstance(spec, str) else spec
+
+
+def parse_spec(
+    spec: AttentionSpec = None, *, check_types: bool = True, **options: Any
+) -> ParsedSpec:
+    """Check ``spec`` (``{name: ..., **options}``, a bare name, or None for softmax; keyword
+    ``options`` are merged in) against the signatures that declare its options and split
+    it. Raises ``ValueError`` naming the problem and the valid choices. With
+    ``check_types=False`` (``build_attention``: a Python caller) values are left to the
+    constructors' own checks; the CLI checks them here, against the annotations."""
+    from . import BACKENDS
+    from .ppsbn import PPSBNAttention
+
+    spec = dict(as_spec(spec) or {"name": "softmax"})
+    spec.update(options)
+    if "name" not in spec:
+        raise ValueError(
+            f"attention spec {spec} has no 'name'; give e.g. {{name: softmax}} or "
+            "compose a file from configs/attention/"
+        )
+    name = spec.pop("name")
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))}"
+        )
+    accepted, wrapper = backend_options(name), sbn_options()
+    unknown = sorted(set(spec) - set(accepted) - set(wrapper))
+    if unknown:
+        raise ValueError(
+            f"attention backend {name!r} has no option(s) {', '.join(unknown)}; its options are: "
+            f"{', '.join(sorted(set(accepted) | set(wrapper)))}"
+        )
+    hints = {**_hints(PPSBNAttention), **_hints(BACKENDS[name])} if check_types else {}
+    for key, value in spec.items():
+        hint = hints.get(key)
+        if hint is not None and not _fits(value, hint):
+            raise ValueError(
+                f"option {key}={value!r} of attention backend {name!r} must be {_describe(hint)}"
+            )
+    sbn = {key: spec.pop(key) for key in list(spec) if key in wrapper and key not in accepted}
+    inside = [key for key in sbn if key not in SBN_SWITCHES]
+    if inside and not sbn.get("pre_sbn"):
+        raise ValueError(f"option(s) {', '.join(inside)} act inside pre-SBN: set pre_sbn: true")
+    sbn.setdefault("pre_sbn", False)
+    sbn.setdefault("post_sbn", False)
+    return ParsedSpec(name, spec, sbn)
+
+
+def full_spec(spec: AttentionSpec) -> dict[str, Any]:
+    """``spec`` with every option it leaves out at its default, as ``build_attention``
+    resolves it (so ``{name: softmax}`` equals ``{name: softmax, dropout: 0.0}``); a spec
+    that does not parse comes back as given."""
+    try:
+        parsed = parse_spec(spec)
+    except ValueError:
+        return dict(as_spec(spec) or {})
+    full: dict[str, Any] = {"name": parsed.name}
+    full.update({k: p.default for k, p in backend_options(parsed.name).items()})
+    wrapper = sbn_options()
+    full.update({k: p.default for k, p in wrapper.items() if parsed.wrapped or k in SBN_SWITCHES})
+    if parsed.sbn["pre_sbn"] and "bounded_inputs" in full:
+        full["bounded_inputs"] = True  # build_attention's own rule
+    full.update(parsed.options)
+    full.update(parsed.sbn)
+    return full
 
 
 def check_attention_spec(
     spec: dict[str, Any] | None, *, head_dim: int, num_heads: int, where: str = "attention"
 ) -> None:
-    """Raise ``ValueError`` naming the problem if ``spec`` (``{name: ..., **options}``, as
-    in ``configs/attention/``) would not build; ``where`` prefixes the message."""
+    """Raise ``ValueError`` (prefixed by ``where``) if ``spec``, a mapping as in
+    ``configs/attention/``, would not build: ``parse_spec``'s checks, then the constructors'
+    range checks by one trial build for this head shape, with the global random state
+    saved and restored, so a seeded run draws the same weights."""
+    from . import build_attention
+
     if spec is None:
         return
     if not isinstance(spec, dict):
         raise ValueError(
             f"{where} must be a mapping like {{name: rmfa, kernel: exp}}; got {spec!r}"
         )
-    options = dict(spec)
-    name = options.pop("name", None)
-    if name is None:
-        raise ValueError(
-            f"{where} {spec} has no 'name'; give e.g. {{name: softmax}} or compose a file "
-            "from configs/attention/"
-        )
-    if name in BACKENDS:
-        _check_types(name, options, where)
     try:
+        parse_spec(spec)
         with torch.random.fork_rng(devices=[]):
-            build_attention(name, head_dim=head_dim, num_heads=num_heads, **options)
+            build_attention(spec, head_dim=head_dim, num_heads=num_heads)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def describe_backends() -> str:
+    """Every backend's options with their types and defaults, for ``--help``."""
+    from . import BACKENDS, KERNELS
+    from .ppsbn import PPSBNAttention
+
+    def line(cls: type, key: str, param: inspect.Parameter) -> str:
+        hint = _hints(cls).get(key)
+        kind = _describe(hint) if hint is not None else "any"
+        return f"{key}={param.default!r} ({kind})"
+
+    rows = [
+        f"  {name}: " + ", ".join(line(cls, k, p) for k, p in _parameters(cls).items())
+        for name, cls in BACKENDS.items()
+    ]
+    wrapper = ", ".join(line(PPSBNAttention, k, p) for k, p in sbn_options().items())
+    return "\n".join(
+        ["attention: {name: <backend>, <option>: <value>, ...}; backends and options:", *rows]
+        + [f"  any backend, wrapped in ppSBN: {wrapper}"]
+        + [f"  kernels: {', '.join(KERNELS)} (attention.register_kernel adds more)"]
+    )

@@ -36,6 +36,8 @@ from typing import Literal
 import lightning as L
 import torch
 
+from macformer_lit.attention.base import AttentionBackend
+
 
 class NaNGuard(L.Callback):
     def __init__(
@@ -64,8 +66,6 @@ class NaNGuard(L.Callback):
 
     # ---- attention inputs, captured by forward hooks (no model changes) --------------
     def setup(self, trainer, pl_module, stage) -> None:
-        from macformer_lit.attention import AttentionBackend
-
         for name, module in pl_module.named_modules():
             if isinstance(module, AttentionBackend):
                 self._handles.append(
@@ -94,7 +94,7 @@ class NaNGuard(L.Callback):
                 "qk_max": s.max().item(),
                 "output_finite": bool(torch.isfinite(output).all()),
             }
-            if hasattr(module, "diagnose"):
+            if type(module).diagnose is not AttentionBackend.diagnose:
                 # Kept until the next forward (autograd holds these tensors until backward
                 # anyway); features and denominators are only computed after a failure.
                 mask = kwargs.get("key_padding_mask")

@@ -108,16 +108,11 @@ class AttentionTelemetry(Callback):
         q = q[:, :, :n]
         if causal:
             k, v, mask = k[:, :, :n], v[:, :, :n], None if mask is None else mask[:, :n]
-        training, collects = core.training, hasattr(core, "collect_stats")
+        training = core.training
         core.train(False)
-        if collects:
-            core.collect_stats = True
         try:
-            out = core(q, k, v, key_padding_mask=mask, causal=causal)
-            stats = core.last_stats if collects else {}
+            out, stats = core.forward_with_stats(q, k, v, key_padding_mask=mask, causal=causal)
         finally:
-            if collects:
-                core.collect_stats = False
             core.train(training)
         kernel = core.target_kernel
         exact = kernelized_attention(q, k, v, kernel, mask, causal)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from macformer_lit.attention import AttentionSpec
+
 from .dropout import Dropout
 from .transformer import Encoder, FeedForward, MultiHeadAttention
 
@@ -37,8 +39,8 @@ class DecoderBlock(nn.Module):
         num_heads: int,
         ffn_dim: int,
         dropout: float,
-        self_attention: dict[str, Any] | None = None,
-        cross_attention: dict[str, Any] | None = None,
+        self_attention: AttentionSpec = None,
+        cross_attention: AttentionSpec = None,
     ) -> None:
         super().__init__()
         self.ln_self = nn.LayerNorm(d_model)
@@ -46,8 +48,10 @@ class DecoderBlock(nn.Module):
             d_model=d_model, num_heads=num_heads, attention=self_attention
         )
         self.ln_cross = nn.LayerNorm(d_model)
+        # Decoder queries are causal although cross-attention is not: pre-SBN must not pool
+        # statistics over them in training (ppsbn.PPSBNAttention.leak_free).
         self.cross_attn = MultiHeadAttention(
-            d_model=d_model, num_heads=num_heads, attention=cross_attention
+            d_model=d_model, num_heads=num_heads, attention=cross_attention, causal_queries=True
         )
         self.ln_ffn = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)
@@ -120,10 +124,10 @@ class Seq2SeqTransformer(nn.Module):
         num_decoder_layers: int = 3,
         ffn_dim: int = 512,
         dropout: float = 0.1,
-        attention: dict[str, Any] | None = None,
-        encoder_attention: dict[str, Any] | None = None,
-        decoder_attention: dict[str, Any] | None = None,
-        cross_attention: dict[str, Any] | None = None,
+        attention: AttentionSpec = None,
+        encoder_attention: AttentionSpec = None,
+        decoder_attention: AttentionSpec = None,
+        cross_attention: AttentionSpec = None,
         tie_embeddings: bool = True,
         share_embeddings: bool = False,
     ) -> None:
@@ -135,8 +139,9 @@ class Seq2SeqTransformer(nn.Module):
                 role has its own: ``encoder_attention`` (encoder self-attention),
                 ``decoder_attention`` (causal decoder self-attention), ``cross_attention``.
                 With ``pre_sbn``, cross-attention normalises its (decoder) queries with
-                running statistics in training too (``sbn_train_stats: running``) unless
-                the spec says otherwise, so no target position sees a later one.
+                running statistics in training too (its queries are causal, which
+                ``sbn_train_stats: auto`` respects) unless the spec says ``batch``, so no
+                target position sees a later one.
             tie_embeddings: the output projection reuses the decoder's token embedding.
             share_embeddings: encoder and decoder share one token embedding (needs one
                 vocabulary for both languages, ``shared_vocab`` in the DataModule).
@@ -152,11 +157,6 @@ class Seq2SeqTransformer(nn.Module):
                 f"pad_id, bos_id, eos_id must differ; got {pad_id}, {bos_id}, {eos_id}"
             )
         attention = attention or {"name": "softmax"}
-        cross = dict(cross_attention or attention)
-        if cross.get("pre_sbn") and "sbn_train_stats" not in cross:
-            # Decoder queries are causal although cross-attention is not: pre-SBN batch
-            # statistics over them would let later target positions reach earlier ones.
-            cross["sbn_train_stats"] = "running"
         self.vocab_size, self.max_len = vocab_size, max_len
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self.encoder = Encoder(
@@ -184,7 +184,7 @@ class Seq2SeqTransformer(nn.Module):
                 ffn_dim=ffn_dim,
                 dropout=dropout,
                 self_attention=decoder_attention or attention,
-                cross_attention=cross,
+                cross_attention=cross_attention or attention,
             )
             for _ in range(num_decoder_layers)
         )

@@ -8,30 +8,24 @@ Dimension order everywhere: ``(batch, heads, seq, head_dim)``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from macformer_lit.attention import build_attention
+from macformer_lit.attention import AttentionSpec, build_attention
 from macformer_lit.models.dropout import Dropout
-
-
-def attention_spec(spec: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    """Split a config dict ``{name: ..., **options}`` into the name and its options."""
-    spec = dict(spec or {"name": "softmax"})
-    if "name" not in spec:
-        raise ValueError(
-            f"attention spec {spec} has no 'name'; give e.g. {{name: softmax}} or "
-            "compose a file from configs/attention/"
-        )
-    return spec.pop("name"), spec
 
 
 class MultiHeadAttention(nn.Module):
     def __init__(
-        self, *, d_model: int, num_heads: int, attention: dict[str, Any] | None = None
+        self,
+        *,
+        d_model: int,
+        num_heads: int,
+        attention: AttentionSpec = None,
+        causal_queries: bool = False,
     ) -> None:
+        """``attention`` is passed to ``build_attention`` as it is; ``causal_queries``: the
+        queries are causal although the call is not (decoder cross-attention)."""
         super().__init__()
         if d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
@@ -41,8 +35,9 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, d_model)
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
-        name, options = attention_spec(attention)
-        self.backend = build_attention(name, head_dim=self.head_dim, num_heads=num_heads, **options)
+        self.backend = build_attention(
+            attention, head_dim=self.head_dim, num_heads=num_heads, causal_queries=causal_queries
+        )
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
@@ -116,7 +111,7 @@ class EncoderBlock(nn.Module):
         num_heads: int,
         ffn_dim: int,
         dropout: float,
-        attention: dict[str, Any] | None = None,
+        attention: AttentionSpec = None,
     ) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(d_model)
@@ -148,7 +143,7 @@ class Encoder(nn.Module):
         num_layers: int,
         ffn_dim: int,
         dropout: float,
-        attention: dict[str, Any] | None = None,
+        attention: AttentionSpec = None,
         cls_token: bool = False,
     ) -> None:
         super().__init__()

@@ -13,13 +13,11 @@ all ranks included (``reduce.global_mean``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
-from macformer_lit.attention.spec import as_spec
+from macformer_lit.attention.spec import AttentionSpec, as_spec
 from macformer_lit.models import DualEncoderClassifier, EncoderClassifier
 from macformer_lit.models.classifier import Pooling
 
@@ -45,7 +43,7 @@ class LitClassifier(LitTask):
         num_layers: int = 2,
         ffn_dim: int = 128,
         dropout: float = 0.1,
-        attention: dict[str, Any] | str | None = None,
+        attention: AttentionSpec = None,
         pooling: Pooling = "mean",
         dual_encoder: bool = False,
         lr: float = 1e-4,

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from sacrebleu.metrics import BLEU
 from torchmetrics import Metric
 
-from macformer_lit.attention.spec import as_spec
+from macformer_lit.attention.spec import AttentionSpec, as_spec
 from macformer_lit.models.seq2seq import Seq2SeqTransformer
 
 from .base import STAGES, LitTask
@@ -130,10 +130,10 @@ class LitTranslator(LitTask):
         num_decoder_layers: int = 3,
         ffn_dim: int = 512,
         dropout: float = 0.1,
-        attention: dict[str, Any] | str | None = None,
-        encoder_attention: dict[str, Any] | str | None = None,
-        decoder_attention: dict[str, Any] | str | None = None,
-        cross_attention: dict[str, Any] | str | None = None,
+        attention: AttentionSpec = None,
+        encoder_attention: AttentionSpec = None,
+        decoder_attention: AttentionSpec = None,
+        cross_attention: AttentionSpec = None,
         tie_embeddings: bool = True,
         share_embeddings: bool = False,
         label_smoothing: float = 0.1,

@@ -11,7 +11,6 @@ import pytest
 import torch
 import yaml
 
-from macformer_lit.attention import _PRE_SBN_OPTIONS as PRE_SBN_OPTIONS
 from macformer_lit.attention import AttentionBackend, Kernel, build_attention
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.cli import (
@@ -171,10 +170,9 @@ def test_every_attention_config_composes_with_a_task(name, tmp_path):
     )
     layers = [m for m in cli.model.modules() if isinstance(m, AttentionBackend)]
     want = [backend_settings(m) for m in expected.modules() if isinstance(m, AttentionBackend)]
-    # Every option of the file is among the settings compared (sbn_eps is the wrapper's eps).
+    # Every option of the file is among the settings compared.
     compared = {key for _, settings in want for key in settings}
-    renamed = {"pre_sbn": "pre", "post_sbn": "post", **PRE_SBN_OPTIONS}
-    assert {renamed.get(key, key) for key in options} <= compared
+    assert set(options) <= compared
     assert len(layers) == hp.num_layers * len(want)
     for i in range(hp.num_layers):
         assert [backend_settings(m) for m in layers[i * len(want) : (i + 1) * len(want)]] == want
