@@ -201,6 +201,8 @@ def all_backends(config_dir: Path) -> list[Backend]:
         Backend("softmax", "softmax (SDPA)", attention_yaml(config_dir, "softmax"),
                 "attention/softmax.yaml"),
         Backend("macformer", "Macformer (RMFA exp + ppSBN)", rmfa, "attention/rmfa_exp.yaml"),
+        Backend("macformer_recompute", "Macformer, recompute: true", {**rmfa, "recompute": True},
+                "attention/rmfa_exp.yaml + recompute: true"),
         Backend("rmfa_nosbn", "RMFA exp, no ppSBN", rmfa_plain,
                 "attention/rmfa_exp.yaml without pre_sbn/post_sbn/sbn_*"),
         Backend("softmax_ppsbn", "softmax + ppSBN", attention_yaml(config_dir, "softmax_ppsbn"),

@@ -39,6 +39,7 @@ class FavorAttention(FeatureAttention):
         denominator: Denominator = "fallback",
         denominator_eps: float = 1e-3,
         chunk_size: int = 64,
+        recompute: bool = False,
     ) -> None:
         super().__init__(
             head_dim=head_dim,
@@ -46,6 +47,7 @@ class FavorAttention(FeatureAttention):
             denominator=denominator,
             denominator_eps=denominator_eps,
             chunk_size=chunk_size,
+            recompute=recompute,
         )
         if num_features < 1:
             raise ValueError(f"num_features must be >= 1; got {num_features}")

@@ -20,6 +20,7 @@ from typing import ClassVar, Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .base import AttentionBackend
 from .features import feature_seed
@@ -92,6 +93,8 @@ class FeatureAttention(AttentionBackend):
     - ``reference_features(q, k, key_padding_mask) -> (φ_q, φ_k)``, float64 rows
       (B, H, L, D'): what ``reference`` is built on. The default evaluates the two hooks
       above in float64; a backend with an independent slow map overrides it.
+    - ``recompute`` (an option of every feature backend): keep only q, k, v for the backward
+      pass (``torch.utils.checkpoint``) and compute the features again there.
     - class flags: ``signed_features`` (features may be negative: the denominator policy then
       tests against eps·n), ``random_features`` (a draw in buffers, redrawn by
       ``redraw_features``; such a subclass defines ``_draw(generator)`` and ``_refresh()``
@@ -110,6 +113,7 @@ class FeatureAttention(AttentionBackend):
         denominator: str,
         denominator_eps: float,
         chunk_size: int,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         if denominator not in DENOMINATOR_POLICIES:
@@ -122,6 +126,7 @@ class FeatureAttention(AttentionBackend):
         self.head_dim, self.num_heads = head_dim, num_heads
         self.denominator, self.denominator_eps = denominator, denominator_eps
         self.chunk_size = chunk_size
+        self.recompute = recompute
         if self.random_features:
             self._register_load_hooks()
 
@@ -156,6 +161,16 @@ class FeatureAttention(AttentionBackend):
         return feature_attention(self, phi_q, phi_k, v, key_padding_mask, causal)
 
     def _attend(self, q, k, v, *, key_padding_mask, causal):
+        if self.recompute and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # Keep only q, k, v for the backward pass and compute the features again there
+            # (the feature matrices and the map's intermediates are most of the layer's
+            # saved memory). The forward has no randomness: the recomputation is exact.
+            return torch.utils.checkpoint.checkpoint(
+                self._attend_now, q, k, v, key_padding_mask, causal, use_reentrant=False
+            )
+        return self._attend_now(q, k, v, key_padding_mask, causal)
+
+    def _attend_now(self, q, k, v, key_padding_mask, causal):
         dtype = q.dtype
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):

@@ -22,6 +22,7 @@ class LinearAttention(FeatureAttention):
         denominator: Denominator = "fallback",
         denominator_eps: float = 1e-3,
         chunk_size: int = 64,
+        recompute: bool = False,
     ) -> None:
         super().__init__(
             head_dim=head_dim,
@@ -29,6 +30,7 @@ class LinearAttention(FeatureAttention):
             denominator=denominator,
             denominator_eps=denominator_eps,
             chunk_size=chunk_size,
+            recompute=recompute,
         )
 
     def _key_features(self, k, key_padding_mask, floor):

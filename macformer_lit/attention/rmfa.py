@@ -48,6 +48,7 @@ class RMFAttention(FeatureAttention):
         denominator: Denominator = "fallback",
         denominator_eps: float = 1e-3,
         chunk_size: int = 64,
+        recompute: bool = False,
     ) -> None:
         super().__init__(
             head_dim=head_dim,
@@ -55,6 +56,7 @@ class RMFAttention(FeatureAttention):
             denominator=denominator,
             denominator_eps=denominator_eps,
             chunk_size=chunk_size,
+            recompute=recompute,
         )
         self.kernel = get_kernel(kernel)
         if num_features < 1:
