@@ -102,6 +102,7 @@ from torch import nn
 
 from macformer_lit.attention import attention_cores
 from macformer_lit.attention.feature_attention import FeatureAttention
+from macformer_lit.attention.spec import sbn_options
 from macformer_lit.models.classifier import pool
 
 try:
@@ -130,7 +131,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PRESETS = ("listops", "text", "retrieval", "image", "pathfinder")
 PATHS = ("eager", "bf16", "compile", "compile+bf16")
 DEFAULT_BACKENDS = "softmax,macformer,rmfa_nosbn,softmax_ppsbn,favor,linear,torch"
-SBN_KEYS = ("pre_sbn", "post_sbn", "sbn_eps", "sbn_momentum", "sbn_stats", "sbn_train_stats")
+SBN_KEYS = tuple(sbn_options())  # the ppSBN wrapper's spec options, from its signature
 # torch_dropout's (B, H, N, N) matrices: ~9 bytes per entry per layer kept for backward
 # (fp32 softmax output and dropped output, bool mask), plus one transient fp32 matrix.
 MATH_PATH_BYTES_PER_ENTRY = 13
