@@ -80,7 +80,12 @@ from macformer_lit.preflight import (  # noqa: E402
     check_trainer_values,
     short_parse_error,
 )
-from macformer_lit.runs import RunFolder, launch_rank, next_version  # noqa: E402
+from macformer_lit.runs import (  # noqa: E402
+    RunFolder,
+    launch_rank,
+    next_version,
+    version_folder,
+)
 
 # Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
@@ -422,7 +427,7 @@ class MacformerCLI(LightningCLI):
                 self.run_dir = Path(inherited)
             elif launch_rank() != 0:
                 # torchrun / SLURM: a guess that ShareRunDir replaces by rank 0's folder.
-                self.run_dir = exp_dir / f"version_{next_version(exp_dir)}"
+                self.run_dir = version_folder(exp_dir, next_version(exp_dir))
             else:
                 # Last, once every check has passed: a failed start removes it (main()).
                 folder = RunFolder(exp_dir)

@@ -17,6 +17,11 @@ from macformer_lit.preflight import UsageError, nearest_existing
 VERSION = re.compile(r"version_(\d+)")
 
 
+def version_folder(exp_dir: Path, n: int) -> Path:
+    """The folder of version ``n`` of an experiment (the one place the name is written)."""
+    return Path(exp_dir) / f"version_{n}"
+
+
 def versions(exp_dir: Path) -> list[tuple[int, Path]]:
     """The ``version_<n>`` folders of an experiment, newest (largest n) first."""
     found = []
@@ -69,7 +74,7 @@ class RunFolder:
     def claim(self) -> Path:
         n = next_version(self.exp_dir)
         while True:
-            folder = self.exp_dir / f"version_{n}"
+            folder = version_folder(self.exp_dir, n)
             try:
                 self.exp_dir.mkdir(parents=True, exist_ok=True)
                 folder.mkdir()
