@@ -86,6 +86,7 @@ from macformer_lit.runs import (  # noqa: E402
     next_version,
     version_folder,
 )
+from macformer_lit.tasks.base import LitTask  # noqa: E402
 
 # Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
@@ -255,13 +256,15 @@ EPILOG = "subcommands: " + "; ".join(f"{k}: {v}" for k, v in SUBCOMMANDS.items()
 
 
 def attention_arguments(class_path: str | None) -> list[str]:
-    """The model's constructor arguments typed ``AttentionSpec`` (its attention specs)."""
+    """The model's options typed ``AttentionSpec`` (its attention specs): a task's own and
+    its model classes' (``LitTask.option_hints``), or any other class's constructor's."""
     if not class_path:
         return []
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(import_module(module), name)
-        hints = typing.get_type_hints(cls.__init__)
+        is_task = isinstance(cls, type) and issubclass(cls, LitTask)
+        hints = cls.option_hints() if is_task else typing.get_type_hints(cls.__init__)
     except Exception:  # not importable here: jsonargparse reports it
         return []
     return [key for key, hint in hints.items() if hint == AttentionSpec]

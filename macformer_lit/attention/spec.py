@@ -26,7 +26,7 @@ AttentionSpec = dict[str, Any] | str | None
 
 # Constructor arguments the model supplies, never a spec: the wrapped backend, the head
 # shape, and whether the queries are causal although the call is not.
-STRUCTURAL = ("self", "inner", "head_dim", "num_heads", "causal_queries")
+MODEL_SUPPLIED = ("self", "inner", "head_dim", "num_heads", "causal_queries")
 # The wrapper's switches; its other options act inside pre-SBN.
 SBN_SWITCHES = ("pre_sbn", "post_sbn")
 
@@ -46,7 +46,7 @@ class ParsedSpec:
 
 def _parameters(cls: type) -> dict[str, inspect.Parameter]:
     params = inspect.signature(cls.__init__).parameters
-    return {k: p for k, p in params.items() if k not in STRUCTURAL and p.kind == p.KEYWORD_ONLY}
+    return {k: p for k, p in params.items() if k not in MODEL_SUPPLIED and p.kind == p.KEYWORD_ONLY}
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from macformer_lit.attention import AttentionSpec
+
 from .transformer import Encoder
 
 Pooling = Literal["mean", "cls", "mean_unmasked"]
@@ -47,9 +49,19 @@ class EncoderClassifier(nn.Module):
         num_layers: int = 2,
         ffn_dim: int = 128,
         dropout: float = 0.1,
-        attention: dict[str, Any] | None = None,
+        attention: AttentionSpec = None,
         pooling: Pooling = "mean",
     ) -> None:
+        """
+        Args:
+            vocab_size, num_classes, max_len, pad_id: from the DataModule (the CLI links
+                them).
+            d_model, num_heads, num_layers, ffn_dim, dropout: the pre-LN encoder's sizes.
+            attention: backend spec ``{name: ..., **options}``, see ``configs/attention/``;
+                a bare name means ``{name: <name>}``; None is softmax.
+            pooling: ``mean`` over real tokens, ``cls`` token, or ``mean_unmasked``
+                (Skyformer's mean over every position, padding included).
+        """
         super().__init__()
         _check_pooling(pooling)
         if num_classes < 2:

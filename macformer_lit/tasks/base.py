@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import inspect
+import typing
+from typing import Any, ClassVar
+
 import lightning as L
 import torch
 from torchmetrics import Metric
+
+from macformer_lit.attention.spec import AttentionSpec, as_spec
 
 from .compat import CheckpointCompatibility
 from .optim import adamw_warmup_linear
@@ -16,7 +22,65 @@ STAGES = ("train", "val", "test")
 class LitTask(CheckpointCompatibility, L.LightningModule):
     """Base of the tasks. Subclasses implement ``_shared_step(batch, stage) -> loss`` and
     save ``lr``, ``weight_decay``, ``betas``, ``eps`` and ``warmup_steps`` with
-    ``save_hyperparameters()`` (checked by ``optim.check_optim_args``)."""
+    ``save_hyperparameters()`` (checked by ``optim.check_optim_args``).
+
+    A task's own options are its keyword parameters; the model's come in ``**model`` and go
+    to the model's constructor untouched, so they are written once, in the model's
+    signature (``model_classes``): LightningCLI reads them from there (jsonargparse follows
+    ``**model`` into the constructor call, written as a direct call ``Model(**model)`` for
+    it to do so), and ``record_model_defaults`` records every one of them,
+    defaults included, in the hyper-parameters the checkpoint keeps and the compatibility
+    check reads.
+    """
+
+    model_classes: ClassVar[tuple[type, ...]] = ()
+
+    @classmethod
+    def _constructors(cls) -> list[Any]:
+        """The ``__init__`` of each model class and of its bases up to ``nn.Module``."""
+        return [
+            c.__init__
+            for model_cls in cls.model_classes
+            for c in model_cls.__mro__
+            if "__init__" in vars(c) and issubclass(c, torch.nn.Module) and c is not torch.nn.Module
+        ]
+
+    @classmethod
+    def model_defaults(cls) -> dict[str, Any]:
+        """Every model option with a default, from the model classes' signatures."""
+        defaults: dict[str, Any] = {}
+        for init in cls._constructors():
+            for name, p in inspect.signature(init).parameters.items():
+                if p.kind is p.KEYWORD_ONLY and p.default is not p.empty:
+                    defaults.setdefault(name, p.default)
+        return defaults
+
+    @classmethod
+    def option_hints(cls) -> dict[str, Any]:
+        """The type of every option, the task's own and its models'."""
+        hints: dict[str, Any] = {}
+        for init in [cls.__init__, *cls._constructors()]:
+            for name, hint in typing.get_type_hints(init).items():
+                hints.setdefault(name, hint)
+        hints.pop("return", None)
+        return hints
+
+    def record_model_defaults(self) -> None:
+        """After ``save_hyperparameters``: the model options left at their defaults join the
+        ones given in ``hparams``, so a checkpoint records every option of its model."""
+        for key, default in self.model_defaults().items():
+            if key not in self._hparams:
+                self._hparams[key] = default
+                self._hparams_initial[key] = default
+
+    @classmethod
+    def mapping_specs(cls, model: dict[str, Any]) -> None:
+        """A bare backend name becomes ``{name: ...}`` in place, before
+        ``save_hyperparameters`` reads it (checkpoints and config.yaml keep the mapping)."""
+        hints = cls.option_hints()
+        for key, value in model.items():
+            if isinstance(value, str) and hints.get(key) == AttentionSpec:
+                model[key] = as_spec(value)
 
     def _shared_step(self, batch, stage: str) -> torch.Tensor:
         raise NotImplementedError

@@ -13,13 +13,13 @@ all ranks included (``reduce.global_mean``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
-from macformer_lit.attention.spec import AttentionSpec, as_spec
 from macformer_lit.models import DualEncoderClassifier, EncoderClassifier
-from macformer_lit.models.classifier import Pooling
 
 from .base import STAGES, LitTask
 from .optim import check_optim_args
@@ -30,55 +30,38 @@ class LitClassifier(LitTask):
     # The metric ModelCheckpoint keeps the best of, and whether higher is better.
     checkpoint_monitor = ("val/acc", "max")
 
-    # Explicit signature: LightningCLI reads it; the model's part goes on to the classifier.
+    # The task's own options; the model's are EncoderClassifier's (LitTask).
+    model_classes = (EncoderClassifier, DualEncoderClassifier)
+
     def __init__(
         self,
         *,
-        vocab_size: int,
-        num_classes: int,
-        max_len: int,
-        pad_id: int,
-        d_model: int = 64,
-        num_heads: int = 2,
-        num_layers: int = 2,
-        ffn_dim: int = 128,
-        dropout: float = 0.1,
-        attention: AttentionSpec = None,
-        pooling: Pooling = "mean",
         dual_encoder: bool = False,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         warmup_steps: int = 1000,
+        **model: Any,
     ) -> None:
         """
         Args:
-            vocab_size, num_classes, max_len, pad_id: linked from the DataModule.
-            attention: backend spec ``{name: ..., **options}``, see ``configs/attention/``;
-                a bare name means ``{name: <name>}``.
-            pooling: ``mean`` over real tokens, ``cls`` token, or ``mean_unmasked``
-                (Skyformer's mean over every position, padding included).
             dual_encoder: two documents per example (LRA Retrieval).
+            lr, weight_decay, betas, eps, warmup_steps: AdamW, linear warm-up then decay.
+            **model: the classifier's options (``models.EncoderClassifier``: sizes,
+                ``attention``, ``pooling``), passed to it as they are.
         """
         super().__init__()
         check_optim_args(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
-        attention = as_spec(attention)  # before save_hyperparameters, which reads it
+        self.mapping_specs(model)
         self.save_hyperparameters()
-        cls = DualEncoderClassifier if dual_encoder else EncoderClassifier
-        self.model = cls(
-            vocab_size=vocab_size,
-            num_classes=num_classes,
-            max_len=max_len,
-            pad_id=pad_id,
-            d_model=d_model,
-            num_heads=num_heads,
-            num_layers=num_layers,
-            ffn_dim=ffn_dim,
-            dropout=dropout,
-            attention=attention or {"name": "softmax"},
-            pooling=pooling,
-        )
+        self.record_model_defaults()
+        # Direct calls with **model: jsonargparse reads the options from both signatures.
+        if not dual_encoder:
+            self.model = EncoderClassifier(**model)
+        else:
+            self.model = DualEncoderClassifier(**model)
+        num_classes = self.hparams.num_classes
         # nn.Module reserves the key "train", hence the suffix.
         self.acc = torch.nn.ModuleDict(
             {f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in STAGES}

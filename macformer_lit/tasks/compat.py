@@ -6,29 +6,28 @@ fails deep inside ``load_state_dict`` with a list of tensor shapes; this names t
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+from macformer_lit.models import EncoderClassifier, Seq2SeqTransformer
+
+# Model options that change no parameter's shape or meaning; every other option of the
+# models' constructors does, and so does the task option choosing the classifier's class.
+NOT_STRUCTURAL = ("dropout",)
+TASK_STRUCTURAL = ("dual_encoder",)
+
+
+def _structural() -> tuple[str, ...]:
+    names: list[str] = []
+    for cls in (EncoderClassifier, Seq2SeqTransformer):
+        for name, p in inspect.signature(cls.__init__).parameters.items():
+            if p.kind is p.KEYWORD_ONLY and name not in NOT_STRUCTURAL and name not in names:
+                names.append(name)
+    return (*names, *TASK_STRUCTURAL)
+
+
 # Settings that change the parameters' shapes or meaning; a mismatch cannot be loaded.
-STRUCTURAL = (
-    "vocab_size",
-    "num_classes",
-    "max_len",
-    "pad_id",
-    "d_model",
-    "num_heads",
-    "num_layers",
-    "num_encoder_layers",
-    "num_decoder_layers",
-    "ffn_dim",
-    "pooling",
-    "dual_encoder",
-    "attention",
-    "encoder_attention",
-    "decoder_attention",
-    "cross_attention",
-    "tie_embeddings",
-    "share_embeddings",
-)
+STRUCTURAL = _structural()
 
 
 def _backend(spec: Any) -> str:

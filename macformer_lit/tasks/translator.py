@@ -35,7 +35,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from sacrebleu.metrics import BLEU
 from torchmetrics import Metric
 
-from macformer_lit.attention.spec import AttentionSpec, as_spec
 from macformer_lit.models.seq2seq import Seq2SeqTransformer
 
 from .base import STAGES, LitTask
@@ -113,29 +112,14 @@ def label_smoothed_nll(
 
 
 class LitTranslator(LitTask):
+    model_classes = (Seq2SeqTransformer,)
+
     checkpoint_monitor = ("val/loss", "min")
 
-    # Explicit signature: LightningCLI reads it; the model's part goes on to Seq2SeqTransformer.
+    # The task's own options; the model's are Seq2SeqTransformer's (LitTask).
     def __init__(
         self,
         *,
-        vocab_size: int,
-        max_len: int,
-        pad_id: int,
-        bos_id: int,
-        eos_id: int,
-        d_model: int = 256,
-        num_heads: int = 8,
-        num_encoder_layers: int = 3,
-        num_decoder_layers: int = 3,
-        ffn_dim: int = 512,
-        dropout: float = 0.1,
-        attention: AttentionSpec = None,
-        encoder_attention: AttentionSpec = None,
-        decoder_attention: AttentionSpec = None,
-        cross_attention: AttentionSpec = None,
-        tie_embeddings: bool = True,
-        share_embeddings: bool = False,
         label_smoothing: float = 0.1,
         beam_size: int = 1,
         length_penalty: float = 1.0,
@@ -148,15 +132,13 @@ class LitTranslator(LitTask):
         betas: tuple[float, float] = (0.9, 0.98),
         eps: float = 1e-9,
         warmup_steps: int = 500,
+        **model: Any,
     ) -> None:
         """
         Args:
-            vocab_size, max_len, pad_id, bos_id, eos_id: linked from the DataModule.
-            attention: backend spec ``{name: ..., **options}`` for all three roles;
-                ``encoder_attention``, ``decoder_attention``, ``cross_attention`` override
-                it per role (None = use ``attention``). See ``configs/attention/``; a bare
-                name means ``{name: <name>}``.
-            tie_embeddings, share_embeddings: see ``Seq2SeqTransformer``.
+            **model: the translation model's options (``models.Seq2SeqTransformer``: sizes,
+                ``attention`` and its per-role overrides, embeddings), passed to it as
+                they are.
             label_smoothing: epsilon of the training loss (0 = plain cross-entropy).
             beam_size: 1 decodes greedily; more uses beam search (val and test).
             max_len_a, max_len_b: decode at most ``a * source length + b`` tokens
@@ -176,29 +158,10 @@ class LitTranslator(LitTask):
             )
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0; got {num_samples}")
-        # Before save_hyperparameters, which reads them.
-        attention, encoder_attention = as_spec(attention), as_spec(encoder_attention)
-        decoder_attention, cross_attention = as_spec(decoder_attention), as_spec(cross_attention)
+        self.mapping_specs(model)
         self.save_hyperparameters()
-        self.model = Seq2SeqTransformer(
-            vocab_size=vocab_size,
-            max_len=max_len,
-            pad_id=pad_id,
-            bos_id=bos_id,
-            eos_id=eos_id,
-            d_model=d_model,
-            num_heads=num_heads,
-            num_encoder_layers=num_encoder_layers,
-            num_decoder_layers=num_decoder_layers,
-            ffn_dim=ffn_dim,
-            dropout=dropout,
-            attention=attention or {"name": "softmax"},
-            encoder_attention=encoder_attention,
-            decoder_attention=decoder_attention,
-            cross_attention=cross_attention,
-            tie_embeddings=tie_embeddings,
-            share_embeddings=share_embeddings,
-        )
+        self.record_model_defaults()
+        self.model = Seq2SeqTransformer(**model)
         # nn.Module reserves the key "train", hence the suffixes.
         self.ppl = torch.nn.ModuleDict({f"{s}_ppl": TokenPerplexity() for s in STAGES})
         # Not Lightning's sync_dist mean: it truncates an all-reduced integer weight.
