@@ -29,7 +29,6 @@ import warnings  # noqa: E402
 
 import lightning as L  # noqa: E402
 from jsonargparse import DefaultHelpFormatter  # noqa: E402
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import (  # noqa: E402
     LightningArgumentParser,
     LightningCLI,
@@ -54,15 +53,9 @@ from macformer_lit.callbacks import (  # noqa: E402
     FeatureRedraw,
     NaNGuard,
     ReleaseHostMemory,
-    ThroughputMemoryMonitor,
 )
-from macformer_lit.callbacks.distributed import RNGStateCheckpoint  # noqa: E402
 from macformer_lit.callbacks.predictions import PredictionWriter  # noqa: E402
-from macformer_lit.callbacks.preemption import (  # noqa: E402
-    LatestCheckpoint,
-    MetricsRowsCheckpoint,
-    SaveOnSigterm,
-)
+from macformer_lit.callbacks.standard import RunCallbacks  # noqa: E402
 from macformer_lit.checkpoints import (  # noqa: E402
     SafeCheckpointIO,
     check_fits,
@@ -341,6 +334,8 @@ class MacformerCLI(LightningCLI):
         parser.add_lightning_class_args(ReleaseHostMemory, "memory")
         parser.add_lightning_class_args(FeatureRedraw, "redraw")
         parser.add_lightning_class_args(AttentionTelemetry, "telemetry")
+        # The other standard callbacks, each switchable (callbacks/standard.py).
+        parser.add_class_arguments(RunCallbacks, "run_callbacks")
         for name in LINKED:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
         parser.add_argument(
@@ -509,33 +504,14 @@ class MacformerCLI(LightningCLI):
         callbacks = trainer_cfg.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         callbacks.insert(0, ShareRunDir(self))
-        # First, so that a resumed run's RNG states are back before other callbacks run.
-        if not any(isinstance(c, RNGStateCheckpoint) for c in callbacks):
-            callbacks.insert(0, RNGStateCheckpoint())
-        if not any(isinstance(c, ThroughputMemoryMonitor) for c in callbacks):
-            callbacks.append(ThroughputMemoryMonitor())
-        if kwargs.get("logger", logger) and not any(
-            isinstance(c, LearningRateMonitor) for c in callbacks
-        ):
-            callbacks.append(LearningRateMonitor(logging_interval="step"))
-        wants_ckpt = trainer_cfg.get("enable_checkpointing", True) is not False
-        if wants_ckpt and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            monitor, mode = getattr(self.model, "checkpoint_monitor", (None, "min"))
-            callbacks.append(
-                ModelCheckpoint(
-                    dirpath=str(run_dir / "checkpoints"),
-                    filename="best-step{step}",
-                    auto_insert_metric_name=False,
-                    monitor=monitor,
-                    mode=mode,
-                    save_top_k=1,
-                )
-            )
-            # The monitored checkpoint stays first: it is trainer.checkpoint_callback.
-            callbacks.append(LatestCheckpoint(dirpath=str(run_dir / "checkpoints")))
-        if wants_ckpt:
-            callbacks.append(SaveOnSigterm(resume_command(self.original_argv)))
-            callbacks.append(MetricsRowsCheckpoint())
+        callbacks = cfg.get("run_callbacks").add_to(
+            callbacks,
+            run_dir=run_dir,
+            monitor=getattr(self.model, "checkpoint_monitor", (None, "min")),
+            checkpointing=trainer_cfg.get("enable_checkpointing", True) is not False,
+            logging=bool(kwargs.get("logger", logger)),
+            resume_command=resume_command(self.original_argv),
+        )
         # Every load (resume, test after fit, validate/test/predict) goes through the
         # same safe path, checkpointing on or off.
         plugins = trainer_cfg.get("plugins") or []

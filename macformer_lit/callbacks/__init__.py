@@ -1,11 +1,12 @@
 """Lightning callbacks: throughput/memory, host-memory release, NaN forensics, pre-emption,
-feature redraw, attention telemetry, torch.compile."""
+feature redraw, attention telemetry, torch.compile, and the standard set every CLI run gets."""
 
 from .compile import CompileModel
 from .memory import ReleaseHostMemory
 from .monitor import ThroughputMemoryMonitor
 from .nan_guard import NaNGuard
 from .redraw import FeatureRedraw
+from .standard import RunCallbacks
 from .telemetry import AttentionTelemetry
 
 __all__ = [
@@ -14,5 +15,6 @@ __all__ = [
     "FeatureRedraw",
     "NaNGuard",
     "ReleaseHostMemory",
+    "RunCallbacks",
     "ThroughputMemoryMonitor",
 ]
