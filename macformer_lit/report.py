@@ -80,6 +80,7 @@ BOOKKEEPING = (
     "trainer.enable_model_summary",
     "telemetry",
     "memory",
+    "run_callbacks",
 )
 ATTENTION_PREFIX = "model.init_args.attention"
 # Attention options the row's label already shows.
@@ -551,8 +552,8 @@ def markdown(
         "(`nmse_uniform`); – where the run logged no telemetry.",
         "- rows: runs grouped by their whole config except seeds (`seed_everything`, "
         "`data.init_args.seed`) and bookkeeping (experiment, runs_dir, ckpt_path, W&B, "
-        "loggers, callback paths, telemetry and memory settings, progress display); setting "
-        "shows the config values in which rows of a task differ. Only fits that reached "
+        "loggers, callback paths, telemetry, memory and standard-callback settings, progress "
+        "display); setting shows the config values in which rows of a task differ. Only fits that reached "
         "their max_steps/max_epochs and then logged test/acc count; a second run of a seed "
         "already in its group counts once (the later in path order).",
     ]
