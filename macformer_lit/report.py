@@ -553,8 +553,9 @@ def markdown(
         "- rows: runs grouped by their whole config except seeds (`seed_everything`, "
         "`data.init_args.seed`) and bookkeeping (experiment, runs_dir, ckpt_path, W&B, "
         "loggers, callback paths, telemetry, memory and standard-callback settings, progress "
-        "display); setting shows the config values in which rows of a task differ. Only fits that reached "
-        "their max_steps/max_epochs and then logged test/acc count; a second run of a seed "
+        "display); setting shows the config values in which rows of a task differ. Only "
+        "fits that reached their max_steps/max_epochs and then logged test/acc count; a "
+        "second run of a seed "
         "already in its group counts once (the later in path order).",
     ]
     if lra_table:
