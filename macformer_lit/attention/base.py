@@ -27,7 +27,9 @@ class AttentionBackend(nn.Module):
     - ``__init__(self, *, head_dim, num_heads, **options)``: keyword-only, every option typed
       with a default. The signature is the declaration of the backend's spec options
       (``attention.spec`` reads it for the CLI's checks and ``--help``): nothing else lists
-      them.
+      them. Options a base class shares (FeatureAttention's denominator, chunk and
+      recompute options) stay in the base's signature: the subclass ends in ``**common``
+      and hands them on, and ``attention.spec`` follows that to the base.
     - ``_attend(q, k, v, *, key_padding_mask, causal)``: the computation.
     - ``reference(q, k, v, *, key_padding_mask, causal)``: a slow, obviously correct float64
       version for the contract tests. ``FeatureAttention`` derives it from the feature maps;

@@ -12,12 +12,11 @@ output. W is a buffer, redrawn like RMF's draw.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from .feature_attention import (
-    Denominator,
     FeatureAttention,
     KeyFeatures,
     QueryFeatures,
@@ -36,19 +35,9 @@ class FavorAttention(FeatureAttention):
         num_heads: int,
         num_features: int = 128,
         row_norm: Literal["chi", "sqrt"] = "chi",
-        denominator: Denominator = "fallback",
-        denominator_eps: float = 1e-3,
-        chunk_size: int = 64,
-        recompute: bool = False,
+        **common: Any,
     ) -> None:
-        super().__init__(
-            head_dim=head_dim,
-            num_heads=num_heads,
-            denominator=denominator,
-            denominator_eps=denominator_eps,
-            chunk_size=chunk_size,
-            recompute=recompute,
-        )
+        super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
         if num_features < 1:
             raise ValueError(f"num_features must be >= 1; got {num_features}")
         if row_norm not in ("chi", "sqrt"):

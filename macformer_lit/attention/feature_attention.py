@@ -110,11 +110,21 @@ class FeatureAttention(AttentionBackend):
         *,
         head_dim: int,
         num_heads: int,
-        denominator: str,
-        denominator_eps: float,
-        chunk_size: int,
+        denominator: Denominator = "fallback",
+        denominator_eps: float = 1e-3,
+        chunk_size: int = 64,
         recompute: bool = False,
     ) -> None:
+        """The options every feature backend shares; a subclass takes them as ``**common``
+        and hands them on here, so they are written once (``spec.parse_spec`` and the CLI
+        follow the hand-on).
+
+        Args:
+            denominator: what rows with a denominator ≤ eps·n get (``DENOMINATOR_POLICIES``).
+            denominator_eps: that threshold, relative to the number of visible keys n.
+            chunk_size: positions per block of the causal prefix sums.
+            recompute: keep only q, k, v for the backward pass and recompute the features.
+        """
         super().__init__()
         if denominator not in DENOMINATOR_POLICIES:
             valid = ", ".join(DENOMINATOR_POLICIES)

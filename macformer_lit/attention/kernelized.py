@@ -15,6 +15,7 @@ import torch
 
 from .base import AttentionBackend
 from .kernels import get_kernel
+from .reference import keep_mask
 
 
 class KernelizedAttention(AttentionBackend):
@@ -22,13 +23,7 @@ class KernelizedAttention(AttentionBackend):
         self, *, head_dim: int, num_heads: int, kernel: str = "exp", bounded_inputs: bool = False
     ) -> None:
         super().__init__()
-        self.kernel = get_kernel(kernel)
-        if self.kernel.restricted and not bounded_inputs:
-            raise ValueError(
-                f"kernel {kernel!r} is only defined for q·k/√d < {self.kernel.domain_max}; "
-                "enable pre_sbn: true (it bounds |q·k|/√d by 1/√d), or set bounded_inputs: true "
-                "if your inputs already satisfy the bound"
-            )
+        self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
         self.head_dim, self.num_heads, self.target_kernel = head_dim, num_heads, kernel
 
     def extra_repr(self) -> str:
@@ -40,11 +35,7 @@ class KernelizedAttention(AttentionBackend):
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = q.to(ct), k.to(ct), v.to(ct)
             logits = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, N, M)
-            keep = torch.ones_like(logits, dtype=torch.bool)
-            if key_padding_mask is not None:
-                keep = keep & key_padding_mask[:, None, None, :]
-            if causal:
-                keep = keep & torch.ones_like(keep[0, 0]).tril()
+            keep = keep_mask(q, k, key_padding_mask, causal)
             if self.kernel.name in ("exp", "trigh"):
                 logits = logits.masked_fill(~keep, -torch.inf)
                 top = logits.detach().amax(-1, keepdim=True)

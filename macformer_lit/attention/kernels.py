@@ -60,10 +60,20 @@ KERNELS: dict[str, Kernel] = {
 }
 
 
-def get_kernel(name: str) -> Kernel:
+def get_kernel(name: str, *, bounded_inputs: bool = True) -> Kernel:
+    """The kernel registered as ``name``. A backend passes ``bounded_inputs``: a kernel
+    defined only below ``domain_max`` is refused unless the inputs are known to stay there
+    (pre-SBN bounds |q·k|/√d by 1/√d)."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r}; valid kernels: {', '.join(sorted(KERNELS))}")
-    return KERNELS[name]
+    kernel = KERNELS[name]
+    if kernel.restricted and not bounded_inputs:
+        raise ValueError(
+            f"kernel {name!r} is only defined for q·k/√d < {kernel.domain_max}; "
+            "enable pre_sbn: true (it bounds |q·k|/√d by 1/√d), or set bounded_inputs: true "
+            "if your inputs already satisfy the bound"
+        )
+    return kernel
 
 
 def register_kernel(

@@ -8,9 +8,11 @@ attention it replaces.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 
-from .feature_attention import Denominator, FeatureAttention, KeyFeatures, QueryFeatures
+from .feature_attention import FeatureAttention, KeyFeatures, QueryFeatures
 
 
 class LinearAttention(FeatureAttention):
@@ -19,19 +21,9 @@ class LinearAttention(FeatureAttention):
         *,
         head_dim: int,
         num_heads: int,
-        denominator: Denominator = "fallback",
-        denominator_eps: float = 1e-3,
-        chunk_size: int = 64,
-        recompute: bool = False,
+        **common: Any,
     ) -> None:
-        super().__init__(
-            head_dim=head_dim,
-            num_heads=num_heads,
-            denominator=denominator,
-            denominator_eps=denominator_eps,
-            chunk_size=chunk_size,
-            recompute=recompute,
-        )
+        super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
 
     def _key_features(self, k, key_padding_mask, floor):
         return KeyFeatures((F.elu(k) + 1.0).transpose(-1, -2), None)

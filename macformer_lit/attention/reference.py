@@ -22,7 +22,8 @@ def nmse(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return (approx.double() - exact.double()).pow(2).sum() / exact.double().pow(2).sum()
 
 
-def _keep(q, k, key_padding_mask, causal):
+def keep_mask(q, k, key_padding_mask, causal):
+    """(B, 1, N, M) bool: which key each query may see (not padded, and j ≤ i if causal)."""
     N, M = q.shape[2], k.shape[2]
     keep = torch.ones(q.shape[0], 1, N, M, dtype=torch.bool, device=q.device)
     if key_padding_mask is not None:
@@ -44,21 +45,21 @@ def kernelized_attention(
 ):
     """Σ_j 𝒦(q_i·k_j/√d) v_j / Σ_j 𝒦(q_i·k_j/√d), dense."""
     kernel = get_kernel(kernel) if isinstance(kernel, str) else kernel
-    keep = _keep(q, k, key_padding_mask, causal)
+    keep = keep_mask(q, k, key_padding_mask, causal)
     logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
     return weighted_average(kernel.exact(logits.masked_fill(~keep, 0.0)), v, keep)
 
 
 def uniform_attention(q, k, v, key_padding_mask=None, causal=False):
     """Mean of the visible values: the limit of every kernel as q·k/√d -> 0."""
-    keep = _keep(q, k, key_padding_mask, causal)
+    keep = keep_mask(q, k, key_padding_mask, causal)
     return weighted_average(torch.ones_like(keep, dtype=torch.float64), v, keep)
 
 
 def first_order_attention(q, k, v, kernel="exp", key_padding_mask=None, causal=False):
     """Kernelized attention with 𝒦 truncated to a₀ + a₁x (the deterministic [1, x] map)."""
     kernel = get_kernel(kernel) if isinstance(kernel, str) else kernel
-    keep = _keep(q, k, key_padding_mask, causal)
+    keep = keep_mask(q, k, key_padding_mask, causal)
     logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
     return weighted_average(kernel.truncated(logits, 1), v, keep)
 
@@ -71,7 +72,7 @@ def prefix_sum_product(phi_q, phi_k, v):
 
 def feature_attention(module, phi_q, phi_k, v, key_padding_mask, causal):
     """Dense φ(q)φ(k)ᵀ attention with the module's denominator policy; φ (B, H, L, D')."""
-    keep = _keep(phi_q, phi_k, key_padding_mask, causal)
+    keep = keep_mask(phi_q, phi_k, key_padding_mask, causal)
     scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~keep, 0.0)
     num, den = scores @ v.double(), scores.sum(-1, keepdim=True)
     count = keep.sum(-1, keepdim=True).double()

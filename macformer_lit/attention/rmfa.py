@@ -15,12 +15,11 @@ cannot overflow even for |q| ~ 1e4.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from .feature_attention import (
-    Denominator,
     FeatureAttention,
     KeyFeatures,
     QueryFeatures,
@@ -45,32 +44,16 @@ class RMFAttention(FeatureAttention):
         p: float = 2.0,
         measure: Literal["faithful", "official", "h01"] = "faithful",
         bounded_inputs: bool = False,
-        denominator: Denominator = "fallback",
-        denominator_eps: float = 1e-3,
-        chunk_size: int = 64,
-        recompute: bool = False,
+        **common: Any,
     ) -> None:
-        super().__init__(
-            head_dim=head_dim,
-            num_heads=num_heads,
-            denominator=denominator,
-            denominator_eps=denominator_eps,
-            chunk_size=chunk_size,
-            recompute=recompute,
-        )
-        self.kernel = get_kernel(kernel)
+        super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
+        self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
         if num_features < 1:
             raise ValueError(f"num_features must be >= 1; got {num_features}")
         if not p > 1.0:
             raise ValueError(f"p must be > 1 (P[N = n] ∝ p^-n); got {p}")
         if measure not in MIN_DEGREE:
             raise ValueError(f"unknown measure {measure!r}; valid: {', '.join(MIN_DEGREE)}")
-        if self.kernel.restricted and not bounded_inputs:
-            raise ValueError(
-                f"kernel {kernel!r} is only defined for q·k/√d < {self.kernel.domain_max}; "
-                "enable pre_sbn: true (it bounds |q·k|/√d by 1/√d), or set bounded_inputs: true "
-                "if your inputs already satisfy the bound"
-            )
         self.target_kernel = kernel
         self.num_features, self.p, self.measure = num_features, p, measure
         self.register_buffer("degrees", torch.zeros(0, dtype=torch.long))

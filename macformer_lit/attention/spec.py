@@ -2,7 +2,9 @@
 and the one function that checks it.
 
 A spec is a backend name and options. The options are declared once, typed, where they
-act: each backend's own ``__init__`` signature (``BACKENDS[name]``) and the ppSBN wrapper's
+act: each backend's own ``__init__`` signature (``BACKENDS[name]``, and the base class
+signature its ``**kwargs`` reach: FeatureAttention's denominator, chunk and recompute
+options are written there once) and the ppSBN wrapper's
 (``PPSBNAttention``: ``pre_sbn``, ``post_sbn``, ``sbn_*``, ``temperature_max``). Nothing
 else lists them. ``parse_spec`` checks a spec against those signatures (the backend name,
 each option's name, type and ``Literal`` choices, options of pre-SBN without it) and splits
@@ -44,13 +46,36 @@ class ParsedSpec:
         return bool(self.sbn.get("pre_sbn") or self.sbn.get("post_sbn"))
 
 
+def constructor_chain(cls: type) -> list[Any]:
+    """``cls.__init__`` and, while one ends in ``**kwargs``, the base ``__init__`` it hands
+    them on to (a backend writes ``**common`` for FeatureAttention's shared options)."""
+    inits = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        inits.append(init)
+        params = inspect.signature(init).parameters.values()
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return inits
+
+
 def _parameters(cls: type) -> dict[str, inspect.Parameter]:
-    params = inspect.signature(cls.__init__).parameters
-    return {k: p for k, p in params.items() if k not in MODEL_SUPPLIED and p.kind == p.KEYWORD_ONLY}
+    """The keyword-only options of ``cls``'s constructor, own first, then those its
+    ``**kwargs`` reach; the model-supplied ones left out."""
+    found: dict[str, inspect.Parameter] = {}
+    for init in constructor_chain(cls):
+        for k, p in inspect.signature(init).parameters.items():
+            if k not in MODEL_SUPPLIED and p.kind == p.KEYWORD_ONLY:
+                found.setdefault(k, p)
+    return found
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls.__init__)
+    hints: dict[str, Any] = {}
+    for init in reversed(constructor_chain(cls)):
+        hints.update(typing.get_type_hints(init))
     return {k: v for k, v in hints.items() if k in _parameters(cls)}
 
 

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from macformer_lit.attention import attention_cores
 from macformer_lit.attention.reference import (
     first_order_attention,
+    keep_mask,
     kernelized_attention,
     nmse,
     uniform_attention,
@@ -117,11 +118,7 @@ class AttentionTelemetry(Callback):
         kernel = core.target_kernel
         exact = kernelized_attention(q, k, v, kernel, mask, causal)
         logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
-        keep = torch.ones_like(logits, dtype=torch.bool)
-        if mask is not None:
-            keep = keep & mask[:, None, None, :]
-        if causal:
-            keep = keep & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        keep = keep_mask(q, k, mask, causal).expand_as(logits)
         metrics = {
             "nmse": nmse(out, exact),
             "nmse_uniform": nmse(uniform_attention(q, k, v, mask, causal), exact),

@@ -15,9 +15,8 @@ model masks it.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -303,32 +302,19 @@ def make_loader(
     return ResumableDataLoader(ds, batch_size=batch_size, sampler=order, drop_last=False, **common)
 
 
-def constructor_args(base: type, values: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of ``base``'s constructor, and of the constructors it hands
-    ``**kwargs`` on to, found in ``values`` (a subclass constructor's ``locals()``).
-
-    The DataModules named in configs restate their bases' parameters, since LightningCLI
-    reads a class's own signature; with this they pass them on in one line."""
-    names: set[str] = set()
-    for cls in base.__mro__:
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            continue
-        params = inspect.signature(init).parameters.values()
-        names.update(p.name for p in params if p.kind is p.KEYWORD_ONLY)
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-    return {name: values[name] for name in names if name in values}
-
-
 class SplitDataModule(L.LightningDataModule):
     """Base of every DataModule here: the loader settings, the splits each stage loads and
     the four dataloaders (``make_loader``).
 
     Subclasses implement ``make_dataset(split)`` (the split's dataset, refused when empty)
-    and ``collate()``; the classes named in configs give every parameter its default.
+    and ``collate()``. Each parameter and its default is written once, in the class that
+    uses it; a subclass declares only what it adds or what it defaults differently
+    (``data_dir``, ``batch_size``) and hands the rest on with ``**kwargs`` to
+    ``super().__init__``, which LightningCLI follows: ``--help`` and ``--print_config`` of
+    the class named in a config list every parameter with the docstring that describes it.
 
     Args:
+        data_dir: folder holding the task's files.
         batch_size: training batch size.
         eval_batch_size: validation/test batch size (default: batch_size).
         num_workers: DataLoader worker processes.
@@ -344,13 +330,13 @@ class SplitDataModule(L.LightningDataModule):
         *,
         data_dir: str,
         batch_size: int,
-        eval_batch_size: int | None,
-        num_workers: int,
-        train_size: int | None,
-        val_size: int | None,
-        test_size: int | None,
-        bucket_by_length: bool,
-        seed: int,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        train_size: int | None = None,
+        val_size: int | None = None,
+        test_size: int | None = None,
+        bucket_by_length: bool = False,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         check_loader_args(
@@ -417,7 +403,6 @@ class SequenceDataModule(SplitDataModule):
     The other constructor arguments are SplitDataModule's.
 
     Args:
-        data_dir: folder holding the unpacked downloads (see the module docstring).
         pad_to_multiple_of: pad each batch to a multiple of this many tokens (at most
             ``max_len``): a bounded set of shapes keeps a long run's memory flat.
     """
@@ -427,7 +412,7 @@ class SequenceDataModule(SplitDataModule):
     max_len: int
     pad_id: int
 
-    def __init__(self, *, pad_to_multiple_of: int, **loader: Any) -> None:
+    def __init__(self, *, pad_to_multiple_of: int = 64, **loader: Any) -> None:
         super().__init__(**loader)
         check_positive("pad_to_multiple_of", pad_to_multiple_of, allow_none=False)
         self.pad_to_multiple_of = pad_to_multiple_of

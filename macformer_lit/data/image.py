@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import pickle
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 
@@ -45,13 +45,11 @@ from macformer_lit.data.common import (
     MissingDataError,
     SequenceDataset,
     check_positive,
-    constructor_args,
 )
 from macformer_lit.data.lra_files import (
     CIFAR10_URL,
     LRADataModule,
     RaggedDataset,
-    check_source,
     find_skyformer,
     read_skyformer,
 )
@@ -96,40 +94,38 @@ class ImageDataModule(LRADataModule):
     """CIFAR-10 grayscale pixel sequences; batches ``{"input_ids", "padding_mask", "labels"}``
     with L = 1024 and all-True masks.
 
-    Arguments not listed here are described in the base classes.
+    The other constructor arguments are LRADataModule's and its bases'.
 
     Args:
+        data_dir: folder holding ``cifar-10-batches-py/`` (or Skyformer's pickles).
+        batch_size: training batch size.
         val_holdout: training images held out (from the end) for validation (LRA: 5000).
     """
 
-    # Explicit signature: LightningCLI reads it; LRADataModule and its bases do the work.
     def __init__(
         self,
         *,
         data_dir: str = "data/lra",
         batch_size: int = 256,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        train_size: int | None = None,
-        val_size: int | None = None,
-        test_size: int | None = None,
-        bucket_by_length: bool = False,
-        pad_to_multiple_of: int = 64,
-        seed: int = 0,
-        source: Literal["auto", "raw", "skyformer"] = "auto",
         val_holdout: int = 5000,
+        **lra: Any,
     ) -> None:
-        super().__init__(**constructor_args(LRADataModule, locals()))
-        check_source(source)
+        # CIFAR-10's pickles are read whole: no rows to skip, no token cache.
+        super().__init__(
+            data_dir=data_dir,
+            batch_size=batch_size,
+            skip_malformed=False,
+            use_cache=False,
+            cache_dir=None,
+            **lra,
+        )
         self.vocab_size = 256
         self.num_classes = 10
         self.max_len = 1024
         # Nominal: sequences all have length 1024, nothing is ever padded.
         self.pad_id = 0
         check_positive("val_holdout", val_holdout, allow_none=False)
-        self.source = source
         self.val_holdout = val_holdout
-        self.cache_root = None
         self._train_pool: tuple[np.ndarray, np.ndarray] | None = None
 
     def _folder(self) -> Path:

@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -49,7 +49,6 @@ from macformer_lit.data.common import (
     SequenceDataModule,
     SequenceDataset,
     check_positive,
-    constructor_args,
 )
 from macformer_lit.data.listops_generator import (
     END,
@@ -212,23 +211,18 @@ class ListOpsDataModule(SequenceDataModule):
     """LRA ListOps: 10-way classification of nested MIN/MAX/MED/SM expressions.
 
     Generates LRA's files on first use (see the module docstring for reuse), or reads the
-    official release placed in ``<data_dir>/listops-1000/``. Arguments not listed in the
-    constructor's docstring are described in the base classes.
+    official release placed in ``<data_dir>/listops-1000/``. The constructor arguments
+    not in its docstring are SequenceDataModule's and its base's.
     """
 
-    # Explicit signature: LightningCLI reads it; SequenceDataModule and its base do the work.
     def __init__(
         self,
         *,
         data_dir: str = "data/lra",
         batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
         train_size: int | None = None,
         val_size: int | None = None,
         test_size: int | None = None,
-        bucket_by_length: bool = False,
-        pad_to_multiple_of: int = 64,
         seed: int = 0,
         tokenizer: Literal["official", "skyformer"] = "official",
         max_len: int = 2000,
@@ -240,14 +234,15 @@ class ListOpsDataModule(SequenceDataModule):
         generate_processes: int | None = None,
         generate_min_length: int = 500,
         generate_max_length: int = 2000,
+        **sequence: Any,
     ) -> None:
         """
         Args:
             data_dir: holds ``listops-1000/basic_{train,val,test}.tsv``.
+            batch_size: training batch size.
             train_size: use the first n training rows (and generate no more than n).
             val_size: use the first n validation rows (and generate no more than n).
             test_size: use the first n test rows (and generate no more than n).
-            bucket_by_length: batch sequences of similar length (less padding).
             seed: shuffling seed of the batches (the generator has ``generate_seed``).
             tokenizer: ``official`` (LRA's fixed tokeniser: parentheses dropped, ``]``
                 kept) or ``skyformer`` (all brackets dropped, which makes the task
@@ -268,7 +263,15 @@ class ListOpsDataModule(SequenceDataModule):
                 task, generated into ``listops-<min>-<max>/`` beside LRA's
                 ``listops-1000/`` so the two never mix.
         """
-        super().__init__(**constructor_args(SequenceDataModule, locals()))
+        super().__init__(
+            data_dir=data_dir,
+            batch_size=batch_size,
+            train_size=train_size,
+            val_size=val_size,
+            test_size=test_size,
+            seed=seed,
+            **sequence,
+        )
         check_positive("max_len", max_len, allow_none=False)
         check_positive("generate_train_size", generate_train_size, allow_none=False)
         check_positive("generate_val_size", generate_val_size, allow_none=False)

@@ -35,7 +35,7 @@ import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -169,7 +169,7 @@ def check_source(source: str) -> None:
 
 class LRADataModule(SequenceDataModule):
     """What the LRA DataModules add to SequenceDataModule: type-keeping subsets, the token
-    cache location (subclasses set ``self.cache_root``), the choice between the raw files
+    cache location, the choice between the raw files
     and Skyformer's pickles, and malformed rows skipped or refused.
 
     Args:
@@ -180,9 +180,20 @@ class LRADataModule(SequenceDataModule):
         cache_dir: cache folder (default: ``<data_dir>/.cache``).
     """
 
-    cache_root: Path | None
-    source: str
-    skip_malformed: bool
+    def __init__(
+        self,
+        *,
+        source: Literal["auto", "raw", "skyformer"] = "auto",
+        skip_malformed: bool = False,
+        use_cache: bool = True,
+        cache_dir: str | None = None,
+        **loader: Any,
+    ) -> None:
+        super().__init__(**loader)
+        check_source(source)
+        self.source = source
+        self.skip_malformed = skip_malformed
+        self.cache_root = resolve_cache_root(self.data_dir, use_cache, cache_dir)
 
     def _subset(self, ds: SequenceDataset, split: str) -> SequenceDataset:
         n = self.sizes[split]
@@ -224,29 +235,21 @@ class LRADataModule(SequenceDataModule):
 
 class ByteDataModule(LRADataModule):
     """Text and Retrieval: UTF-8 bytes, id = byte + 1, pad 0, 2 classes, a token cache. The
-    other constructor arguments go on to SequenceDataModule."""
+    other constructor arguments go on to LRADataModule.
 
-    def __init__(
-        self,
-        *,
-        max_len: int,
-        source: str,
-        skip_malformed: bool,
-        use_cache: bool,
-        cache_dir: str | None,
-        **loader: Any,
-    ) -> None:
-        super().__init__(**loader)
+    Args:
+        max_len: bytes kept per sequence (LRA: 4000; Retrieval: per document); longer
+            ones are cut.
+    """
+
+    def __init__(self, *, max_len: int = 4000, **lra: Any) -> None:
+        super().__init__(**lra)
         if not isinstance(max_len, int) or max_len <= 0:
             raise ValueError(f"max_len must be a positive integer; got {max_len!r}")
-        check_source(source)
         self.vocab_size = 257
         self.num_classes = 2
         self.max_len = max_len
         self.pad_id = 0
-        self.source = source
-        self.skip_malformed = skip_malformed
-        self.cache_root = resolve_cache_root(self.data_dir, use_cache, cache_dir)
 
     def _encode(self, data: bytes, stats: dict) -> np.ndarray:
         ids, cut = encode_bytes(data, self.max_len)

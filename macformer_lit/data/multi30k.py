@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
+from typing import Any
 
-from macformer_lit.data.common import DataFormatError, MissingDataError, constructor_args
-from macformer_lit.data.translation import TokenizerKind, TranslationDataModule
+from macformer_lit.data.common import DataFormatError, MissingDataError
+from macformer_lit.data.translation import TranslationDataModule
 
 LANGUAGES = ("en", "de", "fr", "cs")
 HUB_SPLITS = {"train": ("train",), "val": ("validation", "val", "valid"), "test": ("test",)}
@@ -51,8 +52,6 @@ def read_lines(path: Path) -> list[str]:
 
 
 class Multi30kDataModule(TranslationDataModule):
-    # Explicit signature: LightningCLI reads it; TranslationDataModule and its base do the
-    # work (their docstrings describe the loader arguments).
     def __init__(
         self,
         *,
@@ -61,37 +60,42 @@ class Multi30kDataModule(TranslationDataModule):
         tgt_lang: str = "de",
         hf_dataset: str | None = None,
         test_split: str = "test_2016_flickr",
-        tokenizer: TokenizerKind = "bpe",
         tokenizer_vocab_size: int = 8000,
-        shared_vocab: bool = True,
-        lowercase: bool = False,
         max_len: int = 128,
         batch_size: int = 128,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        train_size: int | None = None,
-        val_size: int | None = None,
-        test_size: int | None = None,
         bucket_by_length: bool = True,
-        seed: int = 0,
+        **translation: Any,
     ) -> None:
         """
         Args:
             data_dir: folder of the raw files (or jsonl splits); tokenizers are cached here.
-            src_lang, tgt_lang: two of ``en``, ``de``, ``fr``, ``cs`` (En→De by default).
+            src_lang: one of ``en``, ``de``, ``fr``, ``cs`` (En→De by default).
+            tgt_lang: another of them.
             hf_dataset: hub id or local jsonl file/folder, read with ``datasets``.
             test_split: raw-file stem of the test set (``test_2016_flickr``,
                 ``test_2017_flickr``, ``test_2017_mscoco``, ``test_2018_flickr``).
-            tokenizer, tokenizer_vocab_size, shared_vocab: the subword vocabulary.
+            tokenizer_vocab_size: subword vocabulary size.
             max_len: longest sequence in tokens (with <s>/</s>); longer ones are truncated.
-            train_size, val_size, test_size: keep only the first n pairs of a split.
+            batch_size: training batch size.
+            bucket_by_length: batch sentences of similar length together.
+
+        The other arguments are TranslationDataModule's and its base's.
         """
         if src_lang not in LANGUAGES or tgt_lang not in LANGUAGES or src_lang == tgt_lang:
             raise ValueError(
                 f"unknown language pair {src_lang}→{tgt_lang}; Multi30K task 1 has "
                 f"{', '.join(LANGUAGES)} (two different ones)"
             )
-        super().__init__(**constructor_args(TranslationDataModule, locals()))
+        super().__init__(
+            data_dir=data_dir,
+            src_lang=src_lang,
+            tgt_lang=tgt_lang,
+            tokenizer_vocab_size=tokenizer_vocab_size,
+            max_len=max_len,
+            batch_size=batch_size,
+            bucket_by_length=bucket_by_length,
+            **translation,
+        )
         self.hf_dataset = hf_dataset
         self.test_split = test_split
         self._hub = None

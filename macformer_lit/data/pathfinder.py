@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -50,19 +50,16 @@ from macformer_lit.data.common import (
     MissingDataError,
     SequenceDataset,
     check_positive,
-    constructor_args,
 )
 from macformer_lit.data.lra_files import (
     LRA_URL,
     LRADataModule,
     RaggedDataset,
-    check_source,
     find_skyformer,
     fingerprint,
     lra_release_candidates,
     progress,
     read_skyformer,
-    resolve_cache_root,
 )
 
 log = logging.getLogger(__name__)
@@ -80,9 +77,12 @@ class PathfinderDataModule(LRADataModule):
     """Pathfinder images as pixel sequences; batches ``{"input_ids", "padding_mask",
     "labels"}`` with L = resolution² and all-True masks.
 
-    Arguments not listed here are described in the base classes.
+    The other constructor arguments are LRADataModule's and its bases'.
 
     Args:
+        data_dir: folder holding LRA's ``pathfinder<resolution>/`` folders (or Skyformer's
+            pickles); generated images go there too.
+        batch_size: training batch size.
         resolution: image side: 32 (LRA Pathfinder), 64, 128 (Path-X) or 256.
         difficulty: ``hard`` (contour length 14, LRA's), ``intermediate`` (9), ``easy`` (6).
         split_seed: seed of the fixed shuffle before the 80/10/10 split.
@@ -92,40 +92,27 @@ class PathfinderDataModule(LRADataModule):
         generate_workers: generator processes (default: all cores).
     """
 
-    # Explicit signature: LightningCLI reads it; LRADataModule and its bases do the work.
     def __init__(
         self,
         *,
         data_dir: str = "data/lra",
         batch_size: int = 128,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        train_size: int | None = None,
-        val_size: int | None = None,
-        test_size: int | None = None,
-        bucket_by_length: bool = False,
-        pad_to_multiple_of: int = 64,
-        seed: int = 0,
         resolution: int = 32,
         difficulty: Literal["easy", "intermediate", "hard"] = "hard",
-        source: Literal["auto", "raw", "skyformer"] = "auto",
         split_seed: int = 0,
-        skip_malformed: bool = False,
         generate: bool = False,
         generate_size: int = 10000,
         generate_seed: int = 0,
         generate_workers: int | None = None,
-        use_cache: bool = True,
-        cache_dir: str | None = None,
+        **lra: Any,
     ) -> None:
-        super().__init__(**constructor_args(LRADataModule, locals()))
+        super().__init__(data_dir=data_dir, batch_size=batch_size, **lra)
         if resolution not in (32, 64, 128, 256):
             raise ValueError(f"resolution must be 32, 64, 128 or 256; got {resolution!r}")
         if difficulty not in DIFFICULTY_FOLDERS:
             raise ValueError(
                 f"difficulty must be one of {list(DIFFICULTY_FOLDERS)}; got {difficulty!r}"
             )
-        check_source(source)
         if generate and resolution != 32:
             raise ValueError("generate=True supports resolution 32 only (the LRA 32×32 parameters)")
         check_positive("generate_size", generate_size, allow_none=False)
@@ -137,14 +124,11 @@ class PathfinderDataModule(LRADataModule):
         self.pad_id = 0
         self.resolution = resolution
         self.difficulty = difficulty
-        self.source = source
         self.split_seed = split_seed
-        self.skip_malformed = skip_malformed
         self.generate = generate
         self.generate_size = generate_size
         self.generate_seed = generate_seed
         self.generate_workers = generate_workers
-        self.cache_root = resolve_cache_root(self.data_dir, use_cache, cache_dir)
         self._all: tuple | None = None
 
     @property

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +41,6 @@ import torch
 from macformer_lit.data.common import (
     MissingDataError,
     SequenceDataset,
-    constructor_args,
     pad_sequences,
 )
 from macformer_lit.data.lra_files import (
@@ -107,34 +106,17 @@ class PairCollate:
 class RetrievalDataModule(ByteDataModule):
     """AAN citation pairs as two byte sequences; see the module docstring for batches.
 
-    Arguments not listed here are described in the base classes.
+    The other constructor arguments are ByteDataModule's and its bases'.
 
     Args:
-        max_len: bytes kept per document (LRA: 4000); longer documents are cut.
+        data_dir: folder holding the LRA release's ``tsv_data/new_aan_pairs.*.tsv`` (or
+            Skyformer's pickles).
+        batch_size: training batch size.
     """
 
-    # Explicit signature: LightningCLI reads it; ByteDataModule and its bases do the work.
-    def __init__(
-        self,
-        *,
-        data_dir: str = "data/lra",
-        batch_size: int = 16,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        train_size: int | None = None,
-        val_size: int | None = None,
-        test_size: int | None = None,
-        bucket_by_length: bool = False,
-        pad_to_multiple_of: int = 64,
-        seed: int = 0,
-        max_len: int = 4000,
-        source: Literal["auto", "raw", "skyformer"] = "auto",
-        skip_malformed: bool = False,
-        use_cache: bool = True,
-        cache_dir: str | None = None,
-    ) -> None:
+    def __init__(self, *, data_dir: str = "data/lra", batch_size: int = 16, **byte: Any) -> None:
         # max_len is per document: the model encodes each side separately.
-        super().__init__(**constructor_args(ByteDataModule, locals()))
+        super().__init__(data_dir=data_dir, batch_size=batch_size, **byte)
 
     def collate(self):
         return PairCollate(self.pad_id, self.pad_to_multiple_of, self.max_len)

@@ -48,10 +48,9 @@ from __future__ import annotations
 
 import random
 import statistics
-from typing import Literal
+from typing import Any, Literal
 
-from macformer_lit.data.common import constructor_args
-from macformer_lit.data.translation import TokenizerKind, TranslationDataModule
+from macformer_lit.data.translation import TranslationDataModule
 
 
 def _pairs(text: str) -> tuple[tuple[str, str], ...]:
@@ -503,8 +502,6 @@ def generate_split(
 
 
 class SyntheticTranslationDataModule(TranslationDataModule):
-    # Explicit signature: LightningCLI reads it; TranslationDataModule and its base do the
-    # work (their docstrings describe the loader arguments).
     def __init__(
         self,
         *,
@@ -514,25 +511,29 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         train_size: int = 20000,
         val_size: int = 500,
         test_size: int = 1000,
-        tokenizer: TokenizerKind = "bpe",
         tokenizer_vocab_size: int = 1000,
-        shared_vocab: bool = True,
         max_len: int = 96,
         batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
         bucket_by_length: bool = True,
         seed: int = 0,
+        **translation: Any,
     ) -> None:
         """
         Args:
             data_dir: where the tokenizer is cached (the sentences are made in memory).
-            src_lang, tgt_lang: ``en`` → ``de`` (default) or ``de`` → ``en``.
+            src_lang: ``en`` (default) or ``de``.
+            tgt_lang: the other one.
             train_size: sentence pairs generated for training.
             val_size: sentence pairs generated for validation.
             test_size: sentence pairs generated for testing.
+            tokenizer_vocab_size: subword vocabulary size.
             max_len: tokens per sentence; the longest sentences take ~70 BPE tokens.
+            batch_size: training batch size.
+            bucket_by_length: batch sentences of similar length together.
             seed: the data stream; the same seed gives the same sentences.
+
+        The other arguments are TranslationDataModule's and its base's, but for
+        ``lowercase``: the generated sentences are used as they are.
         """
         if {src_lang, tgt_lang} != {"en", "de"}:
             raise ValueError(
@@ -546,7 +547,21 @@ class SyntheticTranslationDataModule(TranslationDataModule):
         ):
             if value is None:
                 raise ValueError(f"{name} must be a positive integer; got None")
-        super().__init__(**constructor_args(TranslationDataModule, locals()), lowercase=False)
+        super().__init__(
+            data_dir=data_dir,
+            src_lang=src_lang,
+            tgt_lang=tgt_lang,
+            train_size=train_size,
+            val_size=val_size,
+            test_size=test_size,
+            tokenizer_vocab_size=tokenizer_vocab_size,
+            max_len=max_len,
+            batch_size=batch_size,
+            bucket_by_length=bucket_by_length,
+            seed=seed,
+            lowercase=False,
+            **translation,
+        )
         self.build_vocabulary()
 
     def read_split(self, split: str) -> tuple[list[str], list[str]]:

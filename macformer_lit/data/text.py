@@ -31,7 +31,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +39,6 @@ from macformer_lit.data.common import (
     DataFormatError,
     MissingDataError,
     SequenceDataset,
-    constructor_args,
 )
 from macformer_lit.data.lra_files import (
     IMDB_URL,
@@ -65,33 +64,15 @@ _LABELS = {"0": 0, "1": 1, "neg": 0, "pos": 1}
 class TextDataModule(ByteDataModule):
     """IMDb reviews as byte sequences; batches ``{"input_ids", "padding_mask", "labels"}``.
 
-    Arguments not listed here are described in the base classes.
+    The other constructor arguments are ByteDataModule's and its bases'.
 
     Args:
-        max_len: bytes kept per review (LRA: 4000); longer reviews are cut.
+        data_dir: folder holding ``aclImdb/`` (or ``imdb/`` exports, or Skyformer's pickles).
+        batch_size: training batch size.
     """
 
-    # Explicit signature: LightningCLI reads it; ByteDataModule and its bases do the work.
-    def __init__(
-        self,
-        *,
-        data_dir: str = "data/lra",
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        train_size: int | None = None,
-        val_size: int | None = None,
-        test_size: int | None = None,
-        bucket_by_length: bool = False,
-        pad_to_multiple_of: int = 64,
-        seed: int = 0,
-        max_len: int = 4000,
-        source: Literal["auto", "raw", "skyformer"] = "auto",
-        skip_malformed: bool = False,
-        use_cache: bool = True,
-        cache_dir: str | None = None,
-    ) -> None:
-        super().__init__(**constructor_args(ByteDataModule, locals()))
+    def __init__(self, *, data_dir: str = "data/lra", batch_size: int = 32, **byte: Any) -> None:
+        super().__init__(data_dir=data_dir, batch_size=batch_size, **byte)
         self._loaded: dict[str, SequenceDataset] = {}
 
     def _raw_files(self, split: str) -> tuple[str, list[Path]] | None:

@@ -176,7 +176,18 @@ class TranslationDataModule(SplitDataModule):
     ``(source sentences, target sentences)`` and call ``build_vocabulary()`` at the end of
     their ``__init__``: ``vocab_size``, ``pad_id``, ``bos_id``, ``eos_id`` and ``max_len``
     then exist before the CLI links them into the model. The other constructor arguments
-    are SplitDataModule's."""
+    are SplitDataModule's.
+
+    Args:
+        src_lang: source language.
+        tgt_lang: target language.
+        tokenizer: the subword model, ``bpe`` or ``unigram`` (trained on the training
+            split and cached under ``<data_dir>/tokenizers``).
+        tokenizer_vocab_size: subword vocabulary size.
+        shared_vocab: one vocabulary for source and target.
+        lowercase: lower-case every sentence before tokenising.
+        max_len: longest sequence in tokens (with <s>/</s>); longer ones are truncated.
+    """
 
     pad_id = SPECIAL_TOKENS.index(PAD)
     bos_id = SPECIAL_TOKENS.index(BOS)
@@ -189,11 +200,11 @@ class TranslationDataModule(SplitDataModule):
         *,
         src_lang: str,
         tgt_lang: str,
-        tokenizer: TokenizerKind,
         tokenizer_vocab_size: int,
-        shared_vocab: bool,
-        lowercase: bool,
         max_len: int,
+        tokenizer: TokenizerKind = "bpe",
+        shared_vocab: bool = True,
+        lowercase: bool = False,
         **loader: Any,
     ) -> None:
         check_positive("tokenizer_vocab_size", tokenizer_vocab_size)

@@ -3,19 +3,18 @@ backend in ``BACKENDS`` runs every contract test with no new test code."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 from macformer_lit.attention import BACKENDS, build_attention
+from macformer_lit.attention.spec import backend_options
 
 HEAD_DIM, NUM_HEADS = 8, 2
 
 
 def small_options(name: str) -> dict:
     """Options that keep tests fast and exercise chunking: few features, tiny chunks."""
-    params = inspect.signature(BACKENDS[name].__init__).parameters
+    params = backend_options(name)
     options = {}
     if "num_features" in params:
         options["num_features"] = 16

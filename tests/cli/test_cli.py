@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from macformer_lit.attention import AttentionBackend, Kernel, build_attention
+from macformer_lit.attention.spec import constructor_chain
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.cli import (
     CONFIG_DIR,
@@ -181,7 +182,9 @@ def test_every_attention_config_composes_with_a_task(name, tmp_path):
 def backend_settings(module):
     """A backend's class and the value of every constructor argument it keeps (kernel by
     name); nothing drawn at random."""
-    params = inspect.signature(type(module).__init__).parameters
+    params = [
+        n for init in constructor_chain(type(module)) for n in inspect.signature(init).parameters
+    ]
     settings = {
         name: getattr(module, name)
         for name in params
