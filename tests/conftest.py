@@ -1,0 +1,15 @@
+"""Settings for the whole suite.
+
+One intra-op thread per process unless ``OMP_NUM_THREADS`` says otherwise: the tests'
+tensors are tiny, where a second thread costs more in synchronisation than it saves, and
+the tests that start two processes (DDP, FSDP, launchers) would otherwise run four busy
+threads on CI's two cores. The CLI subprocesses the tests start inherit the variable.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after the variable, so that a fresh import reads it)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
