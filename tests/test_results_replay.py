@@ -36,8 +36,8 @@ def logged_losses(metrics: Path, below: int) -> dict[int, float]:
     [
         "listops_short_cpu",
         "synthetic_ppsbn/method=softmax,seed=0/version_0",
-        # The paper setting: generating its 96,000 trees and 100 steps of ~1,000 tokens take
-        # ~3 minutes here.
+        # The paper setting: generating its 96,000 trees and 100 steps of ~1,000 tokens took
+        # 2 min 24 s on an idle 2-core CPU (c90a1df).
         pytest.param(
             "lra_listops/lra_listops_table2/method=softmax,seed=0/version_0",
             marks=pytest.mark.slow,
