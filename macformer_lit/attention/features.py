@@ -130,12 +130,46 @@ def _unfold(t, shape, folded):
     return t.view(*batch, t.shape[-2], *groups, shape[-2]).movedim(len(batch), -2)
 
 
+# Bytes of one piece of the map's projections ω·xᵀ (S rows per input row): the map runs
+# over the leading batch dimension in pieces of about this size. One projection tensor of a
+# ListOps-shape layer (batch 32, 2 heads, 1,000 tokens, S ≈ 146) is 37 MB; glibc serves
+# blocks over 32 MiB with a fresh zeroed mmap every time (a page fault per 4 KiB page), and
+# the products then read it back from memory instead of cache. Pieces of a few MB stay on
+# the heap and in cache (docs/pitfalls.md §2; the effect on a training step is in
+# benchmarks/results/train_step_listops_n1000_idle.md).
+MAP_CHUNK_BYTES = 4 << 20
+
+
+def _pieces(xf, wf, const, x_dims, rows):
+    """Slices of dim 0 (the batch) for the map: [(slice, x, ω, const)], each piece's
+    projections ≤ ``MAP_CHUNK_BYTES`` (at least one batch entry a piece). ω and const are
+    sliced where they carry the batch dimension, else shared."""
+    n = xf.shape[0] if xf.dim() >= 3 else 1
+    per_entry = rows * xf[:1].numel() // max(xf.shape[-1], 1) * xf.element_size()
+    step = max(1, MAP_CHUNK_BYTES // max(per_entry, 1))
+    if n <= step:
+        return [(slice(None), xf, wf, const)]
+
+    def cut(t, sl, dims):
+        if isinstance(t, torch.Tensor) and t.dim() == dims and t.shape[0] == n:
+            return t[sl]
+        return t
+
+    out = []
+    for i in range(0, n, step):
+        sl = slice(i, min(i + step, n))
+        out.append((sl, xf[sl], cut(wf, sl, xf.dim()), cut(const, sl, x_dims)))
+    return out
+
+
 class MaclaurinMap(torch.autograd.Function):
     """Φ(x) as feature rows (..., D', L) from x (..., L, d) and layout rows ω (..., S, d).
 
     Hand-written backward: autograd through ``prod``/``unbind`` over many small degree
     groups was several times slower than the matmuls on CPU (docs/pitfalls.md §2).
     ``const`` (broadcastable to (..., 1, L)) is the merged degree-0 row, or None.
+    Eager, both passes run over the batch in pieces (``MAP_CHUNK_BYTES``): the S-row
+    projections of one piece are made, used and dropped before the next.
     """
 
     @staticmethod
@@ -144,8 +178,6 @@ class MaclaurinMap(torch.autograd.Function):
         groups = [(n, c) for n, c in blocks if n >= 2]
         c0 = int(const is not None)
         xf, wf, folded = _fold(x, omega)
-        flat = torch.matmul(wf, xf.transpose(-1, -2))  # (..., S, G·L)
-        proj = _unfold(flat, x.shape, folded)  # (..., S, L), a view of flat
         # x's rows (d wide; autograd keeps x anyway), not the S-row projections: backward
         # recomputes them with one matmul, so the map keeps d/S of the memory it did.
         ctx.save_for_backward(wf, xf)
@@ -153,55 +185,80 @@ class MaclaurinMap(torch.autograd.Function):
         if torch.compiler.is_compiling():
             # Traced: out-of-place products (``out=`` into slices breaks the graph), which
             # the compiler fuses anyway.
-            return _map_rows(proj, const, s1, groups)
+            flat = torch.matmul(wf, xf.transpose(-1, -2))  # (..., S, G·L)
+            return _map_rows(_unfold(flat, x.shape, folded), const, s1, groups)
+        S = wf.shape[-2]
         rows = c0 + s1 + sum(c for _, c in groups)
-        phi = proj.new_empty(*proj.shape[:-2], rows, proj.shape[-1])
-        if c0:
-            phi[..., :1, :] = const
-        phi[..., c0 : c0 + s1, :] = proj[..., :s1, :]
-        row, off = c0 + s1, s1
-        for n, c in groups:
-            out = phi[..., row : row + c, :]
-            torch.mul(proj[..., off : off + c, :], proj[..., off + c : off + 2 * c, :], out=out)
-            for j in range(2, n):
-                out.mul_(proj[..., off + j * c : off + (j + 1) * c, :])
-            row, off = row + c, off + n * c
+        batch = torch.broadcast_shapes(wf.shape[:-2], xf.shape[:-2])
+        phi = None
+        for sl, xc, wc, cc in _pieces(xf, wf, const, x.dim(), S):
+            flat = torch.matmul(wc, xc.transpose(-1, -2))  # (..., S, G·L) of this piece
+            proj = _unfold(flat, (*xc.shape[:-2], *x.shape[xf.dim() - 2 :]), folded)
+            if phi is None:  # (..., D', L) for the whole batch
+                shape = (*batch, *proj.shape[len(batch) : -2], rows, proj.shape[-1])
+                phi = proj.new_empty(shape)
+            _fill_rows(phi[sl], proj, cc, c0, s1, groups)
         return phi
 
     @staticmethod
     def backward(ctx, grad):
         wf, xf = ctx.saved_tensors
         c0, s1, groups, folded, shape = ctx.layout
-        flat = torch.matmul(wf, xf.transpose(-1, -2))  # the forward's projections, again
-        proj = _unfold(flat, shape, folded)
         if torch.compiler.is_compiling():
+            flat = torch.matmul(wf, xf.transpose(-1, -2))  # the forward's projections, again
+            proj = _unfold(flat, shape, folded)
             dflat = _map_rows_backward(grad, proj, c0, s1, groups, flat.shape, folded)
             dx = torch.matmul(dflat.transpose(-1, -2), wf)
             if folded:
                 dx = dx.view(*dx.shape[:-2], *shape[-2 - folded :])
             return dx, None, None, None
-        dflat = torch.empty_like(flat)
-        dproj = _unfold(dflat, shape, folded)
-        dproj[..., :s1, :] = grad[..., c0 : c0 + s1, :]
-        row, off = c0 + s1, s1
-        for n, c in groups:
-            g = grad[..., row : row + c, :]
-            f = [proj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
-            df = [dproj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
-            # df[j] = g · Π_{i>j} f_i (suffix products), then · Π_{i<j} f_i (running prefix)
-            df[n - 1].copy_(g)
-            for j in range(n - 2, -1, -1):
-                torch.mul(df[j + 1], f[j + 1], out=df[j])
-            prefix = f[0].clone()
-            for j in range(1, n):
-                df[j].mul_(prefix)
-                if j < n - 1:
-                    prefix.mul_(f[j])
-            row, off = row + c, off + n * c
-        dx = torch.matmul(dflat.transpose(-1, -2), wf)  # (..., G·L, d)
+        S = wf.shape[-2]
+        batch = torch.broadcast_shapes(wf.shape[:-2], xf.shape[:-2])
+        dx = xf.new_empty(*batch, *xf.shape[-2:])  # (..., G·L, d)
+        for sl, xc, wc, _ in _pieces(xf, wf, None, len(shape), S):
+            flat = torch.matmul(wc, xc.transpose(-1, -2))  # the forward's projections, again
+            piece_shape = (*xc.shape[:-2], *shape[xf.dim() - 2 :])
+            proj = _unfold(flat, piece_shape, folded)
+            dflat = torch.empty_like(flat)
+            _fill_grad(_unfold(dflat, piece_shape, folded), grad[sl], proj, c0, s1, groups)
+            torch.matmul(dflat.transpose(-1, -2), wc, out=dx[sl])
         if folded:
             dx = dx.view(*dx.shape[:-2], *shape[-2 - folded :])
         return dx, None, None, None
+
+
+def _fill_rows(phi, proj, const, c0, s1, groups):
+    """Write [const, degree-1 rows, group products] of ``proj`` into the rows of ``phi``."""
+    if c0:
+        phi[..., :1, :] = const
+    phi[..., c0 : c0 + s1, :] = proj[..., :s1, :]
+    row, off = c0 + s1, s1
+    for n, c in groups:
+        out = phi[..., row : row + c, :]
+        torch.mul(proj[..., off : off + c, :], proj[..., off + c : off + 2 * c, :], out=out)
+        for j in range(2, n):
+            out.mul_(proj[..., off + j * c : off + (j + 1) * c, :])
+        row, off = row + c, off + n * c
+
+
+def _fill_grad(dproj, grad, proj, c0, s1, groups):
+    """∂/∂proj of the rows ``_fill_rows`` wrote, into ``dproj`` (every row of it)."""
+    dproj[..., :s1, :] = grad[..., c0 : c0 + s1, :]
+    row, off = c0 + s1, s1
+    for n, c in groups:
+        g = grad[..., row : row + c, :]
+        f = [proj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
+        df = [dproj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
+        # df[j] = g · Π_{i>j} f_i (suffix products), then · Π_{i<j} f_i (running prefix)
+        df[n - 1].copy_(g)
+        for j in range(n - 2, -1, -1):
+            torch.mul(df[j + 1], f[j + 1], out=df[j])
+        prefix = f[0].clone()
+        for j in range(1, n):
+            df[j].mul_(prefix)
+            if j < n - 1:
+                prefix.mul_(f[j])
+        row, off = row + c, off + n * c
 
 
 def _map_rows(proj, const, s1, groups):

@@ -1,14 +1,17 @@
 """Random feature maps: unbiasedness (statistical, seeded), the fast map against the naive one,
-the chunked causal product against explicit prefix sums, orthogonal Gaussian draws."""
+the map run in batch pieces against one piece, the chunked causal product against explicit
+prefix sums, orthogonal Gaussian draws."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
-from macformer_lit.attention import get_kernel
+import macformer_lit.attention.features as features
+from macformer_lit.attention import build_attention, get_kernel
 from macformer_lit.attention.feature_attention import causal_product
 from macformer_lit.attention.features import (
     MIN_DEGREE,
@@ -89,6 +92,35 @@ def test_maclaurin_map_gradcheck():
     const = torch.tensor(lay.const, dtype=torch.float64).view(1, 1, 1, 1)
     fn = lambda t: MaclaurinMap.apply(t, lay.omega, const, lay.blocks)  # noqa: E731
     assert torch.autograd.gradcheck(fn, x, fast_mode=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("measure", ["faithful", "h01"])
+def test_map_in_batch_pieces_equals_one_piece(monkeypatch, causal, measure):
+    """The map runs over the batch in pieces of MAP_CHUNK_BYTES (forward and backward): one
+    batch entry a piece must give the same bits as the whole batch at once, for the output
+    and every input gradient, with padding, in both the plain and the folded (causal) layout,
+    through ppSBN (which computes its statistics over the whole batch before the map)."""
+    torch.manual_seed(0)
+    spec = {"name": "rmfa", "num_features": 48, "measure": measure, "pre_sbn": True}
+    att = build_attention(spec, head_dim=8, num_heads=2)
+    B, N = 5, 37
+    q, k, v = (torch.randn(B, 2, N, 8, requires_grad=True) for _ in range(3))
+    mask = torch.rand(B, N) > 0.2
+    mask[:, 0] = True
+    grad = torch.randn(B, 2, N, 8)
+    runs = []
+    for budget in (1 << 40, 1):
+        monkeypatch.setattr(features, "MAP_CHUNK_BYTES", budget)
+        for t in (q, k, v):
+            t.grad = None
+        out = copy.deepcopy(att)(q, k, v, key_padding_mask=mask, causal=causal)
+        out.backward(grad)
+        runs.append([out.detach(), q.grad, k.grad, v.grad])
+    pieces = features._pieces(q.detach(), torch.zeros(B, 2, 3, 8), None, 4, 3)
+    assert len(pieces) == B  # the second run really ran entry by entry
+    for whole, piecewise in zip(*runs):
+        assert torch.equal(whole, piecewise)
 
 
 @pytest.mark.parametrize("nc,chunk", [(1, 1), (1, 7), (3, 4), (4, 5)])
