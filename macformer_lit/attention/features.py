@@ -43,13 +43,18 @@ def sample_maclaurin(
 
 @dataclass
 class MaclaurinLayout:
-    """How a draw becomes feature rows: [constant, degree-1 block, degree-n products, ...].
+    """How a draw becomes feature rows: [constant, degree-1 rows, products of degree ≥ 2].
 
-    All tensors are float64 on the CPU. ``omega`` (S, d) holds the degree-1 rows, then each
-    degree-n block factor-major (factor j of all c features together), every feature's scale
-    folded into its first factor, so the map is one matmul plus n−1 products per degree.
-    ``first_degree`` (S,) is a feature's degree on its first-factor row, else 0;
-    ``row_degree`` (D',) is the degree of each feature row (constant first, when present).
+    All tensors are float64 on the CPU. ``omega`` (S, d) holds the degree-1 rows, then the
+    factors of the product features by level: level j holds factor j of every feature of
+    degree > j, features in descending degree, so each level's rows are a prefix of the
+    level before. Every feature's scale is folded into its level-0 factor. The map is one
+    matmul, then one product per level over all features that still have a factor there
+    (``max_degree − 1`` products, not one per factor of every degree group).
+    ``blocks`` lists (degree, count): the degree-1 block first, then the product features'
+    groups in descending degree (their order in Φ's rows). ``first_degree`` (S,) is a
+    feature's degree on its level-0 (or degree-1) row, else 0; ``row_degree`` (D',) is the
+    degree of each feature row (constant first, when present).
     """
 
     const: float
@@ -59,6 +64,15 @@ class MaclaurinLayout:
     is_first: torch.Tensor
     row_degree: torch.Tensor
     max_degree: int
+
+
+def product_levels(blocks: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """(rows of the degree-1 block, [rows at level j for j < max degree]) of a layout's
+    ``blocks``: level j holds the product features of degree > j."""
+    s1 = blocks[0][1] if blocks and blocks[0][0] == 1 else 0
+    groups = [(n, c) for n, c in blocks if n >= 2]
+    top = groups[0][0] if groups else 0  # descending degree (a generator trips dynamo)
+    return s1, [sum(c for n, c in groups if n > j) for j in range(top)]
 
 
 def maclaurin_layout(
@@ -75,6 +89,7 @@ def maclaurin_layout(
     if measure == "h01" and kernel.coefficient(1) > 0:
         blocks.append((1, d))
         rows.append(torch.eye(d, dtype=torch.float64) * math.sqrt(kernel.coefficient(1)))
+    products = []  # (n, c, factors (n, c, d)) of the degree ≥ 2 groups
     offset = 0
     for n, c in zip(*torch.unique_consecutive(degrees, return_counts=True)):
         n, c = int(n), int(c)
@@ -83,22 +98,29 @@ def maclaurin_layout(
         scale = math.sqrt(kernel.coefficient(n) * p ** (n - m + 1) / (p - 1) / D)
         if n == 0 or scale == 0.0:
             continue
-        # feature-major columns (d, c, n) -> factor-major rows (n, c, d)
-        block = block.view(d, c, n).permute(2, 1, 0).reshape(n * c, d).clone()
-        block[:c] *= scale
-        blocks.append((n, c))
-        rows.append(block)
-    first = []
-    for n, c in blocks:
-        first += [n] * c + [0] * (n - 1) * c
-    first_degree = torch.tensor(first, dtype=torch.float64)
+        # feature-major columns (d, c, n) -> factors (n, c, d): factor j of each feature
+        factors = block.view(d, c, n).permute(2, 1, 0).clone()
+        factors[0] *= scale
+        if n == 1:
+            blocks.append((1, c))
+            rows.append(factors[0])
+        else:
+            products.append((n, c, factors))
+    products.sort(key=lambda g: -g[0])  # descending degree: each level a prefix of the last
+    blocks += [(n, c) for n, c, _ in products]
+    top = products[0][0] if products else 0
+    for j in range(top):
+        rows.append(torch.cat([f[j] for n, _, f in products if n > j]))
+    first = [1] * (blocks[0][1] if blocks and blocks[0][0] == 1 else 0)
+    first += [n for n, c, _ in products for _ in range(c)]
+    first_degree = torch.tensor(first + [0] * (sum(r.shape[0] for r in rows) - len(first)))
     row_degree = [0] * (const > 0) + [n for n, c in blocks for _ in range(c)]
     return MaclaurinLayout(
         const=const,
         blocks=blocks,
         omega=torch.cat(rows) if rows else torch.zeros(0, d, dtype=torch.float64),
-        first_degree=first_degree,
-        is_first=(first_degree > 0).float(),
+        first_degree=first_degree.double(),
+        is_first=(first_degree > 0).double(),
         row_degree=torch.tensor(row_degree, dtype=torch.float64),
         max_degree=max([n for n, _ in blocks], default=0),
     )
@@ -174,21 +196,20 @@ class MaclaurinMap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, omega, const, blocks):
-        s1 = blocks[0][1] if blocks and blocks[0][0] == 1 else 0
-        groups = [(n, c) for n, c in blocks if n >= 2]
+        s1, levels = product_levels(blocks)
         c0 = int(const is not None)
         xf, wf, folded = _fold(x, omega)
         # x's rows (d wide; autograd keeps x anyway), not the S-row projections: backward
         # recomputes them with one matmul, so the map keeps d/S of the memory it did.
         ctx.save_for_backward(wf, xf)
-        ctx.layout = (c0, s1, groups, folded, x.shape)
+        ctx.layout = (c0, s1, levels, folded, x.shape)
         if torch.compiler.is_compiling():
             # Traced: out-of-place products (``out=`` into slices breaks the graph), which
             # the compiler fuses anyway.
             flat = torch.matmul(wf, xf.transpose(-1, -2))  # (..., S, G·L)
-            return _map_rows(_unfold(flat, x.shape, folded), const, s1, groups)
+            return _map_rows(_unfold(flat, x.shape, folded), const, s1, levels)
         S = wf.shape[-2]
-        rows = c0 + s1 + sum(c for _, c in groups)
+        rows = c0 + s1 + (levels[0] if levels else 0)
         batch = torch.broadcast_shapes(wf.shape[:-2], xf.shape[:-2])
         phi = None
         for sl, xc, wc, cc in _pieces(xf, wf, const, x.dim(), S):
@@ -197,17 +218,17 @@ class MaclaurinMap(torch.autograd.Function):
             if phi is None:  # (..., D', L) for the whole batch
                 shape = (*batch, *proj.shape[len(batch) : -2], rows, proj.shape[-1])
                 phi = proj.new_empty(shape)
-            _fill_rows(phi[sl], proj, cc, c0, s1, groups)
+            _fill_rows(phi[sl], proj, cc, c0, s1, levels)
         return phi
 
     @staticmethod
     def backward(ctx, grad):
         wf, xf = ctx.saved_tensors
-        c0, s1, groups, folded, shape = ctx.layout
+        c0, s1, levels, folded, shape = ctx.layout
         if torch.compiler.is_compiling():
             flat = torch.matmul(wf, xf.transpose(-1, -2))  # the forward's projections, again
             proj = _unfold(flat, shape, folded)
-            dflat = _map_rows_backward(grad, proj, c0, s1, groups, flat.shape, folded)
+            dflat = _map_rows_backward(grad, proj, c0, s1, levels, flat.shape, folded)
             dx = torch.matmul(dflat.transpose(-1, -2), wf)
             if folded:
                 dx = dx.view(*dx.shape[:-2], *shape[-2 - folded :])
@@ -220,77 +241,93 @@ class MaclaurinMap(torch.autograd.Function):
             piece_shape = (*xc.shape[:-2], *shape[xf.dim() - 2 :])
             proj = _unfold(flat, piece_shape, folded)
             dflat = torch.empty_like(flat)
-            _fill_grad(_unfold(dflat, piece_shape, folded), grad[sl], proj, c0, s1, groups)
+            _fill_grad(_unfold(dflat, piece_shape, folded), grad[sl], proj, c0, s1, levels)
             torch.matmul(dflat.transpose(-1, -2), wc, out=dx[sl])
         if folded:
             dx = dx.view(*dx.shape[:-2], *shape[-2 - folded :])
         return dx, None, None, None
 
 
-def _fill_rows(phi, proj, const, c0, s1, groups):
-    """Write [const, degree-1 rows, group products] of ``proj`` into the rows of ``phi``."""
+def _levels(t, s1, levels):
+    """The per-level row slices [level 0, level 1, ...] of ``t`` (..., S, L) after ``s1``."""
+    out, off = [], s1
+    for r in levels:
+        out.append(t[..., off : off + r, :])
+        off += r
+    return out
+
+
+def _fill_rows(phi, proj, const, c0, s1, levels):
+    """Write [const, degree-1 rows, products] of ``proj`` into the rows of ``phi``."""
     if c0:
         phi[..., :1, :] = const
     phi[..., c0 : c0 + s1, :] = proj[..., :s1, :]
-    row, off = c0 + s1, s1
-    for n, c in groups:
-        out = phi[..., row : row + c, :]
-        torch.mul(proj[..., off : off + c, :], proj[..., off + c : off + 2 * c, :], out=out)
-        for j in range(2, n):
-            out.mul_(proj[..., off + j * c : off + (j + 1) * c, :])
-        row, off = row + c, off + n * c
+    if not levels:
+        return
+    f = _levels(proj, s1, levels)
+    out = phi[..., c0 + s1 : c0 + s1 + levels[0], :]
+    torch.mul(f[0], f[1], out=out)
+    for j in range(2, len(levels)):
+        out[..., : levels[j], :].mul_(f[j])
 
 
-def _fill_grad(dproj, grad, proj, c0, s1, groups):
-    """∂/∂proj of the rows ``_fill_rows`` wrote, into ``dproj`` (every row of it)."""
+def _fill_grad(dproj, grad, proj, c0, s1, levels):
+    """∂/∂proj of the rows ``_fill_rows`` wrote, into ``dproj`` (every row of it). For a
+    feature of degree n, ∂/∂f_j = g · Π_{i>j} f_i · Π_{i<j} f_i: the suffix products level
+    by level from the top (in level 0's rows, which end as ∂/∂f_0), then the prefix."""
     dproj[..., :s1, :] = grad[..., c0 : c0 + s1, :]
-    row, off = c0 + s1, s1
-    for n, c in groups:
-        g = grad[..., row : row + c, :]
-        f = [proj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
-        df = [dproj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
-        # df[j] = g · Π_{i>j} f_i (suffix products), then · Π_{i<j} f_i (running prefix)
-        df[n - 1].copy_(g)
-        for j in range(n - 2, -1, -1):
-            torch.mul(df[j + 1], f[j + 1], out=df[j])
-        prefix = f[0].clone()
-        for j in range(1, n):
-            df[j].mul_(prefix)
-            if j < n - 1:
-                prefix.mul_(f[j])
-        row, off = row + c, off + n * c
+    if not levels:
+        return
+    f, df = _levels(proj, s1, levels), _levels(dproj, s1, levels)
+    top = len(levels)
+    acc = df[0]
+    acc.copy_(grad[..., c0 + s1 : c0 + s1 + levels[0], :])
+    for j in range(top - 1, 0, -1):
+        r = levels[j]
+        df[j].copy_(acc[..., :r, :])  # g · Π_{i>j} f_i for the features of degree > j
+        acc[..., :r, :].mul_(f[j])
+    prefix = f[0].clone() if top > 2 else f[0]  # Π_{i<j} f_i, updated in place below
+    for j in range(1, top):
+        df[j].mul_(prefix[..., : levels[j], :])
+        if j < top - 1:
+            r = levels[j + 1]
+            prefix[..., :r, :].mul_(f[j][..., :r, :])
 
 
-def _map_rows(proj, const, s1, groups):
-    """MaclaurinMap's forward without ``out=``: [const, degree-1 rows, group products]."""
+def _map_rows(proj, const, s1, levels):
+    """MaclaurinMap's forward without ``out=``: [const, degree-1 rows, products]."""
     parts = []
     if const is not None:
         parts.append(torch.ones_like(proj[..., :1, :]) * const)
     parts.append(proj[..., :s1, :])
-    off = s1
-    for n, c in groups:
-        prod = proj[..., off : off + c, :]
-        for j in range(1, n):
-            prod = prod * proj[..., off + j * c : off + (j + 1) * c, :]
+    if levels:
+        f = _levels(proj, s1, levels)
+        prod = f[0] * f[1]
+        for j in range(2, len(levels)):
+            r = levels[j]
+            prod = torch.cat([prod[..., :r, :] * f[j], prod[..., r:, :]], dim=-2)
         parts.append(prod)
-        off += n * c
     return torch.cat(parts, dim=-2)
 
 
-def _map_rows_backward(grad, proj, c0, s1, groups, flat_shape, folded):
+def _map_rows_backward(grad, proj, c0, s1, levels, flat_shape, folded):
     """MaclaurinMap's backward without in-place writes: ∂/∂proj as one (..., S, G·L) tensor."""
     parts = [grad[..., c0 : c0 + s1, :]]
-    row, off = c0 + s1, s1
-    for n, c in groups:
-        g = grad[..., row : row + c, :]
-        f = [proj[..., off + j * c : off + (j + 1) * c, :] for j in range(n)]
-        for j in range(n):
-            d = g
-            for i in range(n):
-                if i != j:
-                    d = d * f[i]
-            parts.append(d)
-        row, off = row + c, off + n * c
+    if levels:
+        f, top = _levels(proj, s1, levels), len(levels)
+        acc = grad[..., c0 + s1 : c0 + s1 + levels[0], :]
+        suffix = [None] * top
+        for j in range(top - 1, 0, -1):
+            r = levels[j]
+            suffix[j] = acc[..., :r, :]
+            acc = torch.cat([acc[..., :r, :] * f[j], acc[..., r:, :]], dim=-2)
+        parts.append(acc)
+        prefix = f[0]
+        for j in range(1, top):
+            parts.append(suffix[j] * prefix[..., : levels[j], :])
+            if j < top - 1:
+                r = levels[j + 1]
+                prefix = prefix[..., :r, :] * f[j][..., :r, :]
     dproj = torch.cat(parts, dim=-2)
     return _refold(dproj, flat_shape, folded) if folded else dproj
 
