@@ -208,16 +208,13 @@ class MaclaurinMap(torch.autograd.Function):
             # the compiler fuses anyway.
             flat = torch.matmul(wf, xf.transpose(-1, -2))  # (..., S, G·L)
             return _map_rows(_unfold(flat, x.shape, folded), const, s1, levels)
-        S = wf.shape[-2]
         rows = c0 + s1 + (levels[0] if levels else 0)
-        batch = torch.broadcast_shapes(wf.shape[:-2], xf.shape[:-2])
-        phi = None
-        for sl, xc, wc, cc in _pieces(xf, wf, const, x.dim(), S):
+        batch = torch.broadcast_shapes(x.shape[:-2], omega.shape[:-2])
+        dtype = torch.promote_types(x.dtype, omega.dtype)
+        phi = x.new_empty(*batch, rows, x.shape[-2], dtype=dtype)  # (..., D', L)
+        for sl, xc, wc, cc in _pieces(xf, wf, const, x.dim(), wf.shape[-2]):
             flat = torch.matmul(wc, xc.transpose(-1, -2))  # (..., S, G·L) of this piece
             proj = _unfold(flat, (*xc.shape[:-2], *x.shape[xf.dim() - 2 :]), folded)
-            if phi is None:  # (..., D', L) for the whole batch
-                shape = (*batch, *proj.shape[len(batch) : -2], rows, proj.shape[-1])
-                phi = proj.new_empty(shape)
             _fill_rows(phi[sl], proj, cc, c0, s1, levels)
         return phi
 
@@ -233,10 +230,9 @@ class MaclaurinMap(torch.autograd.Function):
             if folded:
                 dx = dx.view(*dx.shape[:-2], *shape[-2 - folded :])
             return dx, None, None, None
-        S = wf.shape[-2]
         batch = torch.broadcast_shapes(wf.shape[:-2], xf.shape[:-2])
         dx = xf.new_empty(*batch, *xf.shape[-2:])  # (..., G·L, d)
-        for sl, xc, wc, _ in _pieces(xf, wf, None, len(shape), S):
+        for sl, xc, wc, _ in _pieces(xf, wf, None, len(shape), wf.shape[-2]):
             flat = torch.matmul(wc, xc.transpose(-1, -2))  # the forward's projections, again
             piece_shape = (*xc.shape[:-2], *shape[xf.dim() - 2 :])
             proj = _unfold(flat, piece_shape, folded)
