@@ -74,7 +74,11 @@ def git_state() -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
+        # A copy of the tree without .git (a lent GPU machine): the caller may name the commit.
+        given = os.environ.get("MACFORMER_LIT_COMMIT", "")
+        return (
+            f"{given} (given by MACFORMER_LIT_COMMIT)" if given else "unknown (not a git checkout)"
+        )
     return head + (" + uncommitted changes in macformer_lit/attention/" if dirty else "")
 
 

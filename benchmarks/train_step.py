@@ -29,7 +29,9 @@ optional ``torch_dropout`` row keeps torch's default (skipped when its N×N matr
 fit in memory).
 
 Paths (``--paths``): ``eager`` fp32 (always run: the reference), ``bf16`` (``torch.autocast``
-bf16 on the device; ppSBN and the feature maps compute in fp32 inside), ``compile``
+bf16 on the device; ppSBN and the feature maps compute in fp32 inside), ``fp16`` (CUDA only:
+``torch.autocast`` fp16 with a ``GradScaler``, unscaled before clipping, as Lightning's
+``16-mixed``; fp16 rows against the fp16 GEMM peak), ``compile``
 (``torch.compile(model, dynamic=True)``) and ``compile+bf16``. A compiled case's first step
 is a cold compile, reported separately with the graphs and graph breaks it compiled
 (``torch._dynamo.utils.counters``): inductor's caches are off and ``torch._dynamo.reset()``
@@ -129,7 +131,7 @@ except ImportError:  # run as a script: python benchmarks/train_step.py
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PRESETS = ("listops", "text", "retrieval", "image", "pathfinder")
-PATHS = ("eager", "bf16", "compile", "compile+bf16")
+PATHS = ("eager", "bf16", "fp16", "compile", "compile+bf16")
 DEFAULT_BACKENDS = "softmax,macformer,rmfa_nosbn,softmax_ppsbn,favor,linear,torch"
 SBN_KEYS = tuple(sbn_options())  # the ppSBN wrapper's spec options, from its signature
 # torch_dropout's (B, H, N, N) matrices: ~9 bytes per entry per layer kept for backward
@@ -454,6 +456,9 @@ class Case:
         self.compiled = path.startswith("compile")
         self.forward = torch.compile(self.model, dynamic=True) if self.compiled else self.model
         self.bf16 = path.endswith("bf16")
+        self.fp16 = path == "fp16"  # CUDA only (skip_reason): Lightning's 16-mixed
+        self.amp_dtype = torch.float16 if self.fp16 else torch.bfloat16
+        self.scaler = torch.amp.GradScaler("cuda") if self.fp16 else None
         self.inputs, self.labels = batch
         self.clip = preset["gradient_clip_val"]
         self.clip_algorithm = preset["gradient_clip_algorithm"]
@@ -463,16 +468,25 @@ class Case:
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.split(":")[0], torch.bfloat16, enabled=self.bf16):
+        amp = self.bf16 or self.fp16
+        with torch.autocast(self.device.split(":")[0], self.amp_dtype, enabled=amp):
             logits = self.forward(*self.inputs)
             loss = F.cross_entropy(logits.float(), self.labels)
-        loss.backward()
+        if self.scaler is not None:  # as Lightning's 16-mixed: scale, unscale before clipping
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+        else:
+            loss.backward()
         if self.clip:
             if self.clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(self.params, self.clip)
             else:
                 torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
 
     def __call__(self) -> None:
@@ -589,8 +603,11 @@ def memory_available() -> int | None:
     return None
 
 
-def skip_reason(preset: dict, backend: Backend, device: str) -> str:
-    """Why ``torch_dropout`` (SDPA's math path, N×N matrices) cannot run here, or ''."""
+def skip_reason(preset: dict, backend: Backend, device: str, path: str = "eager") -> str:
+    """Why a case cannot run here, or '': fp16 off a GPU, ``torch_dropout`` (SDPA's math
+    path, N×N matrices) where they would not fit in memory."""
+    if path == "fp16" and not device.startswith("cuda"):
+        return "skipped: fp16 (a GradScaler, as Lightning's 16-mixed) is a GPU path"
     if not backend.torch_attention_dropout or device.startswith("cuda"):
         return ""
     init = preset["model_init_args"]
@@ -650,6 +667,8 @@ def measure(args, device, backends, paths, names, config_dir, compiling) -> dict
     dtypes = {"float32": torch.float32}
     if any(p.endswith("bf16") for p in paths):
         dtypes["bfloat16"] = torch.bfloat16
+    if "fp16" in paths and device.startswith("cuda"):
+        dtypes["float16"] = torch.float16
     peaks: dict = {}
 
     def measure_peaks(when: str) -> None:
@@ -670,7 +689,7 @@ def measure(args, device, backends, paths, names, config_dir, compiling) -> dict
         results: list[dict] = []
         for backend in backends:
             for path in paths:
-                reason = skip_reason(preset, backend, device)
+                reason = skip_reason(preset, backend, device, path)
                 if reason:
                     results.append({"backend": backend.name, "path": path, "status": reason})
                     continue
@@ -805,7 +824,10 @@ def summarise(preset: dict, peaks: dict[str, float]) -> list[dict]:
         if ref is not None and len(ref["times_s"]) == len(xs):
             ratio = median([a / b for a, b in zip(xs, ref["times_s"])])
         flops = r["flops"]["step"]
-        peak = peaks.get("bfloat16" if r["path"].endswith("bf16") else "float32", float("nan"))
+        dtype = {"fp16": "float16"}.get(
+            r["path"], "bfloat16" if r["path"].endswith("bf16") else "float32"
+        )
+        peak = peaks.get(dtype, float("nan"))
         mem, mem_ref = r.get("peak_memory_bytes"), (ref or {}).get("peak_memory_bytes")
         row.update(
             rounds=len(xs),
@@ -1087,7 +1109,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--paths",
         default="eager,bf16",
-        help="comma-separated paths from eager,bf16,compile,compile+bf16 (eager always runs; "
+        help="comma-separated paths from eager,bf16,fp16,compile,compile+bf16 (eager always "
+        "runs; fp16 on CUDA only; "
         "default eager,bf16: compiling every backend costs minutes on 2 CPU cores)",
     )
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")

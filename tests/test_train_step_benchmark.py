@@ -110,3 +110,26 @@ def test_tiny_run_rows_flops_tokens_and_render(tmp_path, monkeypatch):
     assert (again / "tiny.md").read_bytes() == (out / "tiny.md").read_bytes()
     assert (again / "tiny.csv").read_bytes() == (out / "tiny.csv").read_bytes()
     assert (again / "tiny.json").read_bytes() == (out / "tiny.json").read_bytes()
+
+
+def test_fp16_is_a_gpu_path_reported_as_skipped_on_the_cpu(tmp_path):
+    """``--paths fp16`` (autocast fp16 + GradScaler, Lightning's 16-mixed) is CUDA-only: on
+    the CPU each backend gets a skipped row naming why, beside its timed eager row."""
+    out = tmp_path / "run"
+    train_step.main(
+        [
+            "--presets", "listops", "--backends", "softmax,linear", "--paths", "eager,fp16",
+            "--rounds", "1", "--warmup", "0", "--max-len", "32", "--batch", "2",
+            "--threads", "1", "--gemm-n", "64", "--gemm-calls", "1", "--no-memory",
+            "--out", str(out), "--name", "fp16",
+        ]
+    )  # fmt: skip
+    [preset] = json.loads((out / "fp16.json").read_text())["presets"]
+    got = {(r["backend"], r["path"]): r["status"] for r in preset["results"]}
+    assert got[("softmax", "eager")] == got[("linear", "eager")] == "ok"
+    for name in ("softmax", "linear"):
+        assert (
+            got[(name, "fp16")]
+            == "skipped: fp16 (a GradScaler, as Lightning's 16-mixed) is a GPU path"
+        )
+    assert "float16" not in json.loads((out / "fp16.json").read_text())["gemm_peaks"]

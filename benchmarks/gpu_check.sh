@@ -1,0 +1,73 @@
+#!/bin/bash
+# Everything this project checks on a CUDA machine, in one command that fits a short lease
+# (about 9 minutes on one H100/H200): the machine, the CUDA-marked tests, the training-step
+# benchmark (eager fp32, bf16 autocast, fp16 with a GradScaler) at every LRA preset, the
+# attention benchmark, one real CLI training run in fp16 (RMFA exp + ppSBN, synthetic
+# translation, test BLEU), and the compiled training step at the ListOps shape.
+#
+#   bash benchmarks/gpu_check.sh                 # results under $OUT (default /tmp/gpu_check)
+#   DEVICE=cpu SMOKE=1 bash benchmarks/gpu_check.sh   # the plumbing on a CPU, tiny shapes
+#
+# Each step runs under its own time limit and its log and outputs are packed into
+# $OUT/gpu_check.tgz after it, so a step that runs out of time costs only itself. Where the
+# folder .whl holds wheels (packages the machine lacks: datasets, jsonargparse, omegaconf, ...),
+# they are installed into /tmp/site first. Without .git, set MACFORMER_LIT_COMMIT to the commit
+# the tree is at, so that the results name it. Copy the results into benchmarks/results/ by hand
+# (train_step_cuda.*, attention_speed_cuda.*) and name the machine and commit in the README.
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+DEVICE=${DEVICE:-cuda}
+SMOKE=${SMOKE:-0}
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d)
+mkdir -p "$OUT" "$WORK/bench"
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+pack() { tar czf "$OUT/gpu_check.tgz.tmp" -C "$WORK" . && mv "$OUT/gpu_check.tgz.tmp" "$OUT/gpu_check.tgz"; }
+step() {  # step NAME SECONDS COMMAND...: run under a limit, log to $WORK/NAME.log, pack
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit} s) $(date +%T)"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0)) s"
+    tail -n 12 "$WORK/$name.log"
+    pack
+}
+
+if [ "$SMOKE" = 1 ]; then
+    TS=(--max-len 64 --batch 2 --rounds 1 --warmup 0 --gemm-n 256 --gemm-calls 2)
+    AS=(--ns 128 --repeats 1 --warmup 0)
+    FIT=(--trainer.max_steps 20 --trainer.limit_val_batches 2 --trainer.limit_test_batches 2)
+else
+    TS=(--rounds 5)
+    AS=()
+    FIT=()
+fi
+git rev-parse HEAD >"$WORK/commit.txt" 2>/dev/null || true
+
+step machine 60 bash -c "nvidia-smi; $PY -c 'import torch, lightning, pyarrow, fsspec, huggingface_hub as h
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
+print(\"lightning\", lightning.__version__, \"pyarrow\", pyarrow.__version__, \"fsspec\", fsspec.__version__, \"hub\", h.__version__)
+if torch.cuda.is_available(): print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))'"
+step tests 120 $PY -m pytest -q -p no:cacheprovider -rs tests/test_device_branches.py
+step train_step 200 $PY -m benchmarks.train_step --device "$DEVICE" \
+    --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,favor,linear,torch \
+    --paths eager,bf16,fp16 "${TS[@]}" --out "$WORK/bench" --name "train_step_$DEVICE"
+step attention_speed 75 $PY -m benchmarks.attention_speed --device "$DEVICE" "${AS[@]}" \
+    --out "$WORK/bench" --name "attention_speed_$DEVICE"
+step fit_fp16 100 $PY -m macformer_lit fit --config translation_synthetic.yaml \
+    --config attention/rmfa_exp.yaml --config trainer/fp16.yaml --wandb_mode disabled \
+    --experiment gpu_check_fp16 --runs_dir "$WORK/runs" "${FIT[@]}"
+find "$WORK/runs" -name '*.ckpt' -delete 2>/dev/null
+pack
+step train_step_compile 150 $PY -m benchmarks.train_step --device "$DEVICE" --presets listops \
+    --backends softmax,macformer --paths eager,bf16,compile+bf16 "${TS[@]}" \
+    --out "$WORK/bench" --name "train_step_compile_$DEVICE"
+echo "=== done $(date +%T); outputs in $OUT/gpu_check.tgz"
