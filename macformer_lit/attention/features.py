@@ -165,11 +165,16 @@ MAP_CHUNK_BYTES = 4 << 20
 def _pieces(xf, wf, const, x_dims, rows):
     """Slices of dim 0 (the batch) for the map: [(slice, x, ω, const)], each piece's
     projections ≤ ``MAP_CHUNK_BYTES`` (at least one batch entry a piece). ω and const are
-    sliced where they carry the batch dimension, else shared."""
+    sliced where they carry the batch dimension, else shared.
+
+    CPU only: there the pieces keep each projection under glibc's mmap threshold (no page
+    faults on fresh mappings every step, docs/pitfalls.md §2). Elsewhere one piece: a GPU's
+    caching allocator reuses its blocks, and every piece costs a kernel launch per level,
+    which made a ListOps-shape training step 8x softmax's on an H200 (benchmarks/README.md)."""
     n = xf.shape[0] if xf.dim() >= 3 else 1
     per_entry = rows * xf[:1].numel() // max(xf.shape[-1], 1) * xf.element_size()
     step = max(1, MAP_CHUNK_BYTES // max(per_entry, 1))
-    if n <= step:
+    if n <= step or xf.device.type != "cpu":
         return [(slice(None), xf, wf, const)]
 
     def cut(t, sl, dims):
@@ -190,8 +195,8 @@ class MaclaurinMap(torch.autograd.Function):
     Hand-written backward: autograd through ``prod``/``unbind`` over many small degree
     groups was several times slower than the matmuls on CPU (docs/pitfalls.md §2).
     ``const`` (broadcastable to (..., 1, L)) is the merged degree-0 row, or None.
-    Eager, both passes run over the batch in pieces (``MAP_CHUNK_BYTES``): the S-row
-    projections of one piece are made, used and dropped before the next.
+    Eager on the CPU, both passes run over the batch in pieces (``MAP_CHUNK_BYTES``): the
+    S-row projections of one piece are made, used and dropped before the next.
     """
 
     @staticmethod

@@ -123,6 +123,16 @@ def test_map_in_batch_pieces_equals_one_piece(monkeypatch, causal, measure):
         assert torch.equal(whole, piecewise)
 
 
+def test_map_pieces_only_on_the_cpu(monkeypatch):
+    """Off the CPU the map runs in one piece whatever MAP_CHUNK_BYTES says (each piece costs
+    a kernel launch per level on a GPU, and its allocator has no mmap page faults)."""
+    monkeypatch.setattr(features, "MAP_CHUNK_BYTES", 1)
+    x, w = torch.zeros(5, 2, 7, 8), torch.zeros(5, 2, 3, 8)
+    assert len(features._pieces(x, w, None, 4, 3)) == 5
+    meta = features._pieces(x.to("meta"), w.to("meta"), None, 4, 3)
+    assert len(meta) == 1 and meta[0][0] == slice(None) and meta[0][1].device.type == "meta"
+
+
 @pytest.mark.parametrize("nc,chunk", [(1, 1), (1, 7), (3, 4), (4, 5)])
 def test_chunked_causal_equals_prefix_sums(nc, chunk):
     g = torch.Generator().manual_seed(nc * chunk)
