@@ -58,7 +58,12 @@ def machine_info(device: str) -> dict[str, str]:
 
 
 def git_state() -> str:
-    """Commit the benchmark runs from, and whether the attention package differs from it."""
+    """Commit the benchmark runs from, and whether the attention package differs from it;
+    ``MACFORMER_LIT_COMMIT`` overrides both (a lent GPU machine receives the working tree with
+    the .git of the session's start, so git there names a stale commit)."""
+    given = os.environ.get("MACFORMER_LIT_COMMIT", "")
+    if given:
+        return f"{given} (given by MACFORMER_LIT_COMMIT)"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(
@@ -74,11 +79,7 @@ def git_state() -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # A copy of the tree without .git (a lent GPU machine): the caller may name the commit.
-        given = os.environ.get("MACFORMER_LIT_COMMIT", "")
-        return (
-            f"{given} (given by MACFORMER_LIT_COMMIT)" if given else "unknown (not a git checkout)"
-        )
+        return "unknown (not a git checkout)"
     return head + (" + uncommitted changes in macformer_lit/attention/" if dirty else "")
 
 

@@ -11,8 +11,8 @@
 # Each step runs under its own time limit and its log and outputs are packed into
 # $OUT/gpu_check.tgz after it, so a step that runs out of time costs only itself. Where the
 # folder .whl holds wheels (packages the machine lacks: datasets, jsonargparse, omegaconf, ...),
-# they are installed into /tmp/site first. Without .git, set MACFORMER_LIT_COMMIT to the commit
-# the tree is at, so that the results name it. Copy the results into benchmarks/results/ by hand
+# they are installed into /tmp/site first. Set MACFORMER_LIT_COMMIT to the commit the tree
+# is at: a lent machine's .git is the session's start, not the tree sent. Copy the results into benchmarks/results/ by hand
 # (train_step_cuda.*, attention_speed_cuda.*) and name the machine and commit in the README.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
