@@ -218,10 +218,15 @@ class FeatureAttention(AttentionBackend):
         """Chunked causal pass: the sequence becomes (nc, C) before the feature map, so every
         per-chunk matmul reads its operands in place."""
         B, H, N, _ = q.shape
-        C = min(self.chunk_size, N)
-        pad = -N % C
+        # Compiled: one graph for every length, so nothing may depend on whether N is a
+        # multiple of the chunk: chunks of chunk_size and 1 to C padded positions, never 0
+        # (with none, the final slice's contiguity differs and a guard on it recompiled).
+        # Eager pads only when it has to.
+        compiling = torch.compiler.is_compiling()
+        C = self.chunk_size if compiling else min(self.chunk_size, N)
+        pad = C - N % C if compiling else -N % C
         keep = mask
-        if pad:
+        if compiling or pad:
             q, k, v1 = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v1, (0, 0, 0, pad))
             keep = torch.ones(B, N, dtype=torch.bool, device=q.device) if mask is None else mask
             keep = F.pad(keep, (0, pad), value=False)

@@ -10,9 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 from .feature_attention import FeatureAttention, KeyFeatures, QueryFeatures
+
+
+def _elu1(x):
+    """elu(x) + 1. Compiled, as x + 1 for x > 0 and exp(x) otherwise (inductor fuses it into
+    one kernel): AOTAutograd traced ``elu_backward`` with another memory layout than its
+    eager kernel returns, and the backward graph's next ``view`` then failed on the causal
+    chunked path (tests/attention/test_attention_compile.py). Eager, ``F.elu``: one kernel
+    each way. The two differ by rounding (expm1(x) + 1 against exp(x))."""
+    if torch.compiler.is_compiling():
+        return torch.where(x > 0, x + 1.0, x.clamp_max(0.0).exp())
+    return F.elu(x) + 1.0
 
 
 class LinearAttention(FeatureAttention):
@@ -26,7 +38,7 @@ class LinearAttention(FeatureAttention):
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
 
     def _key_features(self, k, key_padding_mask, floor):
-        return KeyFeatures((F.elu(k) + 1.0).transpose(-1, -2), None)
+        return KeyFeatures(_elu1(k).transpose(-1, -2), None)
 
     def _query_features(self, q, ref):
-        return QueryFeatures((F.elu(q) + 1.0).transpose(-1, -2), None)
+        return QueryFeatures(_elu1(q).transpose(-1, -2), None)

@@ -9,9 +9,9 @@ resumes an eager checkpoint and the other way round. What is compiled:
   ``tests/attention/test_attention_compile.py``);
 - a decoder block only when its causal self-attention compiles correctly. Measured: with
   ppSBN (any backend), AOTAutograd gives a query gradient off by up to 3 % (the running
-  statistics are updated in place inside the graph), and the chunked causal path of
-  ``rmfa``, ``favor`` and ``linear`` recompiles at lengths that are multiples of the chunk
-  or fails in the backward. Those decoder blocks stay eager, and the run says so.
+  statistics are updated in place inside the graph). Those decoder blocks stay eager, and
+  the run says so. Every backend without ppSBN compiles causally, the chunked causal path
+  of ``rmfa``, ``favor`` and ``linear`` included.
 
 Decoding (greedy and beam search) runs the blocks' ``step`` methods, which stay eager.
 """
@@ -24,20 +24,16 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from macformer_lit.attention import FavorAttention, LinearAttention, PPSBNAttention, RMFAttention
+from macformer_lit.attention import PPSBNAttention
 
 log = logging.getLogger(__name__)
 
-# Causal backends whose compiled backward is wrong or unstable (see the module docstring).
-_CAUSAL_UNSAFE = (PPSBNAttention, RMFAttention, FavorAttention, LinearAttention)
-
 
 def causal_compile_unsafe(backend: nn.Module) -> str | None:
-    """Why a causal self-attention ``backend`` must stay eager, or None if it compiles."""
+    """Why a causal self-attention ``backend`` must stay eager (see the module docstring),
+    or None if it compiles."""
     if isinstance(backend, PPSBNAttention):
         return "ppSBN in causal attention (wrong query gradient under AOTAutograd)"
-    if isinstance(backend, _CAUSAL_UNSAFE):
-        return f"{type(backend).__name__}'s chunked causal path (recompiles, backward errors)"
     return None
 
 
