@@ -54,6 +54,13 @@ def _masked_total(t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return (t if w is None else t * w).sum(2).sum(0)[:, None]
 
 
+def _lerp_row(buf: torch.Tensor, which: int, target: torch.Tensor, weight: float):
+    """``buf`` with row ``which`` moved towards ``target`` (lerp), as a new tensor."""
+    rows = list(buf.unbind(0))
+    rows[which] = rows[which].lerp(target, weight)
+    return torch.stack(rows)
+
+
 class _BatchStandardiseNormalise(torch.autograd.Function):
     """Pre-SBN with batch statistics: z = (x − μ)/σ per (head, channel) over the batch and the
     real positions (μ, σ² of this batch, summed over DDP ranks), y = z/‖z‖ per row, with the
@@ -266,6 +273,15 @@ class PPSBNAttention(AttentionBackend):
     @torch.no_grad()
     def _update_running(self, which: int, mean, var, n):
         unbiased = var * n / (n - 1).clamp_min(1.0)
+        if torch.compiler.is_compiling():
+            # Compiled: new tensors bound to the buffers' names, never an in-place update.
+            # AOTAutograd's backward may recompute from a graph input instead of saving, and
+            # an input updated in place is read after its update then: with lerp_ here, the
+            # query gradient of causal ppSBN (which normalises with the statistics from
+            # before the update) was off by up to 3 % (tests/attention/test_attention_compile.py).
+            self.running_mean = _lerp_row(self.running_mean, which, mean[:, 0], self.sbn_momentum)
+            self.running_var = _lerp_row(self.running_var, which, unbiased[:, 0], self.sbn_momentum)
+            return
         self.running_mean[which].lerp_(mean[:, 0], self.sbn_momentum)
         self.running_var[which].lerp_(unbiased[:, 0], self.sbn_momentum)
 
