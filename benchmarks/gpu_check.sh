@@ -1,12 +1,13 @@
 #!/bin/bash
-# Everything this project checks on a CUDA machine, in one command that fits a short lease
-# (at most about 10 minutes on one H100/H200; measured on an H200 at 598b889: machine 23 s,
-# tests 25 s, training-step benchmark 115 s, attention benchmark 22 s, and the fp16 fit and
-# the compiled step ran out of their limits then, 100 and 150 s: the fit reached step 680 of
-# 1,200 at ~10 steps/s before bb6a01a, and Macformer's cold inductor compile took over 2 min): the machine, the CUDA-marked tests, the training-step
-# benchmark (eager fp32, bf16 autocast, fp16 with a GradScaler) at every LRA preset, the
-# attention benchmark, one real CLI training run in fp16 (RMFA exp + ppSBN, synthetic
-# translation, test BLEU), and the compiled training step at the ListOps shape.
+# Everything this project checks on a CUDA machine, in one command that fits a short lease:
+# the machine, the CUDA-marked tests, the training-step benchmark (eager fp32, bf16 autocast,
+# fp16 with a GradScaler) at every LRA preset, the attention benchmark, one real CLI training
+# run in fp16 (RMFA exp + ppSBN, synthetic translation, test BLEU), and the compiled training
+# step at the ListOps shape. At most about 10 minutes on one H100/H200. Measured on an H200
+# at 598b889: machine 23 s, tests 25 s, training-step benchmark 115 s, attention benchmark
+# 22 s; the fp16 fit and the compiled step ran out of their limits then (100 and 150 s): the
+# fit reached step 680 of 1,200 at ~10 steps/s (before bb6a01a), and Macformer's cold
+# inductor compile took over 2 minutes.
 #
 #   bash benchmarks/gpu_check.sh                 # results under $OUT (default /tmp/gpu_check)
 #   DEVICE=cpu SMOKE=1 bash benchmarks/gpu_check.sh   # the plumbing on a CPU, tiny shapes
