@@ -279,6 +279,8 @@ class PPSBNAttention(AttentionBackend):
             # an input updated in place is read after its update then: with lerp_ here, the
             # query gradient of causal ppSBN (which normalises with the statistics from
             # before the update) was off by up to 3 % (tests/attention/test_attention_compile.py).
+            # DDP's buffer broadcast keeps the tensors it found at wrap time; harmless here:
+            # the moments are all-reduced, so every rank computes the same statistics.
             self.running_mean = _lerp_row(self.running_mean, which, mean[:, 0], self.sbn_momentum)
             self.running_var = _lerp_row(self.running_var, which, unbiased[:, 0], self.sbn_momentum)
             return
