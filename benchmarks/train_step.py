@@ -132,6 +132,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PRESETS = ("listops", "text", "retrieval", "image", "pathfinder")
 PATHS = ("eager", "bf16", "fp16", "compile", "compile+bf16")
+# torch.autocast's dtype of each path that runs under it (the rest run in fp32); its GEMM
+# peak is measured in that dtype, and fp16 (with a GradScaler, as Lightning's 16-mixed) only
+# runs on a GPU.
+AMP_DTYPES = {"bf16": torch.bfloat16, "compile+bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_BACKENDS = "softmax,macformer,rmfa_nosbn,softmax_ppsbn,favor,linear,torch"
 SBN_KEYS = tuple(sbn_options())  # the ppSBN wrapper's spec options, from its signature
 # torch_dropout's (B, H, N, N) matrices: ~9 bytes per entry per layer kept for backward
@@ -455,10 +459,9 @@ class Case:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.compiled = path.startswith("compile")
         self.forward = torch.compile(self.model, dynamic=True) if self.compiled else self.model
-        self.bf16 = path.endswith("bf16")
-        self.fp16 = path == "fp16"  # CUDA only (skip_reason): Lightning's 16-mixed
-        self.amp_dtype = torch.float16 if self.fp16 else torch.bfloat16
-        self.scaler = torch.amp.GradScaler("cuda") if self.fp16 else None
+        self.amp_dtype = AMP_DTYPES.get(path)  # None: fp32
+        # fp16 runs on CUDA only (skip_reason), with Lightning's 16-mixed GradScaler.
+        self.scaler = torch.amp.GradScaler("cuda") if path == "fp16" else None
         self.inputs, self.labels = batch
         self.clip = preset["gradient_clip_val"]
         self.clip_algorithm = preset["gradient_clip_algorithm"]
@@ -468,8 +471,10 @@ class Case:
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        amp = self.bf16 or self.fp16
-        with torch.autocast(self.device.split(":")[0], self.amp_dtype, enabled=amp):
+        amp = self.amp_dtype is not None
+        with torch.autocast(
+            self.device.split(":")[0], self.amp_dtype or torch.bfloat16, enabled=amp
+        ):
             logits = self.forward(*self.inputs)
             loss = F.cross_entropy(logits.float(), self.labels)
         if self.scaler is not None:  # as Lightning's 16-mixed: scale, unscale before clipping
@@ -603,10 +608,21 @@ def memory_available() -> int | None:
     return None
 
 
+def path_runs_on(path: str, device: str) -> bool:
+    """Whether ``path`` can run on ``device``: fp16 only on a GPU."""
+    return path != "fp16" or device.startswith("cuda")
+
+
+def dtype_name(path: str) -> str:
+    """The dtype a path's steps compute in, as the GEMM peaks are keyed: float32, bfloat16,
+    float16."""
+    return str(AMP_DTYPES.get(path, torch.float32)).removeprefix("torch.")
+
+
 def skip_reason(preset: dict, backend: Backend, device: str, path: str = "eager") -> str:
     """Why a case cannot run here, or '': fp16 off a GPU, ``torch_dropout`` (SDPA's math
     path, N×N matrices) where they would not fit in memory."""
-    if path == "fp16" and not device.startswith("cuda"):
+    if not path_runs_on(path, device):
         return "skipped: fp16 (a GradScaler, as Lightning's 16-mixed) is a GPU path"
     if not backend.torch_attention_dropout or device.startswith("cuda"):
         return ""
@@ -665,10 +681,9 @@ def measure(args, device, backends, paths, names, config_dir, compiling) -> dict
     work = [estimate_work(p, n_cases) for p in presets]
     gemm_n = args.gemm_n or (8192 if device.startswith("cuda") else 2048)
     dtypes = {"float32": torch.float32}
-    if any(p.endswith("bf16") for p in paths):
-        dtypes["bfloat16"] = torch.bfloat16
-    if "fp16" in paths and device.startswith("cuda"):
-        dtypes["float16"] = torch.float16
+    for p in paths:
+        if p in AMP_DTYPES and path_runs_on(p, device):
+            dtypes[dtype_name(p)] = AMP_DTYPES[p]
     peaks: dict = {}
 
     def measure_peaks(when: str) -> None:
@@ -824,10 +839,7 @@ def summarise(preset: dict, peaks: dict[str, float]) -> list[dict]:
         if ref is not None and len(ref["times_s"]) == len(xs):
             ratio = median([a / b for a, b in zip(xs, ref["times_s"])])
         flops = r["flops"]["step"]
-        dtype = {"fp16": "float16"}.get(
-            r["path"], "bfloat16" if r["path"].endswith("bf16") else "float32"
-        )
-        peak = peaks.get(dtype, float("nan"))
+        peak = peaks.get(dtype_name(r["path"]), float("nan"))
         mem, mem_ref = r.get("peak_memory_bytes"), (ref or {}).get("peak_memory_bytes")
         row.update(
             rounds=len(xs),
@@ -861,7 +873,8 @@ METHOD_MD = """\
 
 One training step of each preset's model: `zero_grad(set_to_none=True)`, forward and
 cross-entropy loss (under `torch.autocast(bf16)` on the bf16 paths, as Lightning's
-`bf16-mixed`), backward, gradient clipping by norm (the preset's `gradient_clip_val`), AdamW
+`bf16-mixed`; fp16 with a GradScaler, unscaled before clipping, on the fp16 path, as
+`16-mixed`), backward, gradient clipping by norm (the preset's `gradient_clip_val`), AdamW
 `step` (the task's `adamw_warmup_linear`: the preset's lr, weight decay, eps) and the LR
 schedule's `step`. Model and batch shape from the preset YAML (model built by
 `LitClassifier`: `EncoderClassifier`, `DualEncoderClassifier` for Retrieval); random token ids
@@ -872,8 +885,8 @@ runs every case once in a freshly shuffled order.
 - **ratio**: median over rounds of (case time / eager fp32 softmax time in the same round).
 - **tokens/s**: real (non-padding) tokens of the batch / median time.
 - **GFLOP/s**: counted FLOPs of the step (below) / median time; **% peak**: that over the
-  GEMM peak measured in this run (fp32 `torch.mm` of two square matrices; bf16 rows against
-  the bf16 peak).
+  GEMM peak measured in this run (fp32 `torch.mm` of two square matrices; bf16 and fp16 rows
+  against the bf16 and fp16 peaks).
 - **peak MiB**: peak extra bytes allocated during one more, untimed step (CPU: running sum of
   the allocator's allocations and frees recorded by `torch.profiler(profile_memory=True)`;
   CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was

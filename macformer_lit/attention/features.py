@@ -171,11 +171,14 @@ def _pieces(xf, wf, const, x_dims, rows):
     faults on fresh mappings every step, docs/pitfalls.md §2). Elsewhere one piece: a GPU's
     caching allocator reuses its blocks, and every piece costs a kernel launch per level,
     which made a ListOps-shape training step 8x softmax's on an H200 (benchmarks/README.md)."""
+    whole = [(slice(None), xf, wf, const)]
+    if xf.device.type != "cpu":
+        return whole
     n = xf.shape[0] if xf.dim() >= 3 else 1
     per_entry = rows * xf[:1].numel() // max(xf.shape[-1], 1) * xf.element_size()
     step = max(1, MAP_CHUNK_BYTES // max(per_entry, 1))
-    if n <= step or xf.device.type != "cpu":
-        return [(slice(None), xf, wf, const)]
+    if n <= step:
+        return whole
 
     def cut(t, sl, dims):
         if isinstance(t, torch.Tensor) and t.dim() == dims and t.shape[0] == n:
