@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import Kernel
+from .pieces import batch_slices
 
 MIN_DEGREE = {"faithful": 0, "official": 1, "h01": 2}
 
@@ -152,44 +153,29 @@ def _unfold(t, shape, folded):
     return t.view(*batch, t.shape[-2], *groups, shape[-2]).movedim(len(batch), -2)
 
 
-# Bytes of one piece of the map's projections ω·xᵀ (S rows per input row): the map runs
-# over the leading batch dimension in pieces of about this size. One projection tensor of a
-# ListOps-shape layer (batch 32, 2 heads, 1,000 tokens, S ≈ 146) is 37 MB; glibc serves
-# blocks over 32 MiB with a fresh zeroed mmap every time (a page fault per 4 KiB page), and
-# the products then read it back from memory instead of cache. Pieces of a few MB stay on
-# the heap and in cache (docs/pitfalls.md §2; the effect on a training step is in
-# benchmarks/results/train_step_listops_n1000_idle.md).
-MAP_CHUNK_BYTES = 4 << 20
-
-
 def _pieces(xf, wf, const, x_dims, rows):
     """Slices of dim 0 (the batch) for the map: [(slice, x, ω, const)], each piece's
-    projections ≤ ``MAP_CHUNK_BYTES`` (at least one batch entry a piece). ω and const are
-    sliced where they carry the batch dimension, else shared.
+    projections ω·xᵀ (``rows`` per input row) ≤ ``pieces.PIECE_BYTES``, at least one batch
+    entry a piece. ω and const are sliced where they carry the batch dimension, else shared.
 
-    CPU only: there the pieces keep each projection under glibc's mmap threshold (no page
-    faults on fresh mappings every step, docs/pitfalls.md §2). Elsewhere one piece: a GPU's
-    caching allocator reuses its blocks, and every piece costs a kernel launch per level,
-    which made a ListOps-shape training step 8x softmax's on an H200 (benchmarks/README.md)."""
-    whole = [(slice(None), xf, wf, const)]
-    if xf.device.type != "cpu":
-        return whole
+    One projection tensor of a ListOps-shape layer (batch 32, 2 heads, 1,000 tokens,
+    S ≈ 146) is 37 MB: a fresh mmap every step, read back from memory instead of cache
+    (pieces.py; the effect on a training step is in
+    benchmarks/results/train_step_listops_n1000_idle.md). CPU only (``batch_slices``): on a
+    GPU every piece costs a kernel launch per level, which made a ListOps-shape training
+    step 8x softmax's on an H200 (benchmarks/README.md)."""
     n = xf.shape[0] if xf.dim() >= 3 else 1
     per_entry = rows * xf[:1].numel() // max(xf.shape[-1], 1) * xf.element_size()
-    step = max(1, MAP_CHUNK_BYTES // max(per_entry, 1))
-    if n <= step:
-        return whole
+    slices = batch_slices(xf, per_entry) if xf.dim() >= 3 else [slice(None)]
+    if len(slices) == 1:
+        return [(slice(None), xf, wf, const)]
 
     def cut(t, sl, dims):
         if isinstance(t, torch.Tensor) and t.dim() == dims and t.shape[0] == n:
             return t[sl]
         return t
 
-    out = []
-    for i in range(0, n, step):
-        sl = slice(i, min(i + step, n))
-        out.append((sl, xf[sl], cut(wf, sl, xf.dim()), cut(const, sl, x_dims)))
-    return out
+    return [(sl, xf[sl], cut(wf, sl, xf.dim()), cut(const, sl, x_dims)) for sl in slices]
 
 
 class MaclaurinMap(torch.autograd.Function):
@@ -198,7 +184,7 @@ class MaclaurinMap(torch.autograd.Function):
     Hand-written backward: autograd through ``prod``/``unbind`` over many small degree
     groups was several times slower than the matmuls on CPU (docs/pitfalls.md §2).
     ``const`` (broadcastable to (..., 1, L)) is the merged degree-0 row, or None.
-    Eager on the CPU, both passes run over the batch in pieces (``MAP_CHUNK_BYTES``): the
+    Eager on the CPU, both passes run over the batch in pieces (``pieces.PIECE_BYTES``): the
     S-row projections of one piece are made, used and dropped before the next.
     """
 

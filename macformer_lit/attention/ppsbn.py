@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import AttentionBackend, check_inputs
+from .pieces import batch_slices
 
 
 def _all_reduce(t: torch.Tensor, differentiable: bool) -> torch.Tensor:
@@ -49,11 +50,6 @@ def _row_weights(x: torch.Tensor, mask: torch.Tensor | None):
     return w, _all_reduce(n, False).clamp_min(1.0)
 
 
-def _masked_total(t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """Σ over batch and positions of (B, H, L, d), rows weighted by w: (H, 1, d)."""
-    return (t if w is None else t * w).sum(2).sum(0)[:, None]
-
-
 def _lerp_row(buf: torch.Tensor, which: int, target: torch.Tensor, weight: float):
     """``buf`` with row ``which`` moved towards ``target`` (lerp), as a new tensor."""
     rows = list(buf.unbind(0))
@@ -61,25 +57,57 @@ def _lerp_row(buf: torch.Tensor, which: int, target: torch.Tensor, weight: float
     return torch.stack(rows)
 
 
+def _cut(w: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    return None if w is None else w[sl]
+
+
+def _entry_totals(t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """Σ over positions of (b, H, L, d), rows weighted by w: (b, H, d), one per entry."""
+    return (t if w is None else t * w).sum(2)
+
+
+def _batch_total(x, w, fn=None, pieces: bool = True) -> torch.Tensor:
+    """Σ over the batch and positions of fn(x) (default x), rows weighted by w, per (head,
+    channel): (H, 1, d). Over positions first (contiguous rows), then the batch; with
+    ``pieces`` over the batch in pieces on the CPU, each piece's per-entry sums kept and
+    the batch summed once: the same order, so the same bits, as in one piece."""
+    slices = batch_slices(x) if pieces else [slice(None)]
+    parts = [_entry_totals(x[sl] if fn is None else fn(x[sl]), _cut(w, sl)) for sl in slices]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).sum(0)[:, None]
+
+
 class _BatchStandardiseNormalise(torch.autograd.Function):
     """Pre-SBN with batch statistics: z = (x − μ)/σ per (head, channel) over the batch and the
     real positions (μ, σ² of this batch, summed over DDP ranks), y = z/‖z‖ per row, with the
     closed-form backward (BatchNorm's, then the row normalisation's; the two per-channel sums
     of the batch-norm backward reduced over ranks like the forward's). It saves only y and
-    ‖z‖, where autograd through the same steps kept x, z and their intermediates; its time
-    is autograd's (40 vs 39 ms forward+backward for a (32, 2, 1000, 32) tensor at one thread
-    on a 2-core AVX2 CPU): the remaining cost is ~11 memory passes, which only a fused
-    kernel would remove."""
+    ‖z‖, where autograd through the same steps kept x, z and their intermediates.
+
+    Eager on the CPU, every pass runs over the batch in pieces (``pieces.batch_slices``):
+    at the Text preset's shape (batch 32, 2 heads, 4,000 tokens, d = 32) q is 33 MB, and each
+    of the ~10 full-size temporaries of the two functions was a fresh mmap read back from
+    memory. Per-entry sums are taken piece by piece and summed over the batch once, in the
+    same order as in one piece: the same bits (tests/attention/test_attention_ppsbn.py)."""
 
     @staticmethod
     def forward(ctx, x, w, n, eps):
         # x (B, H, L, d); w None or the (B, 1, L, 1) mask of real rows; n their count.
-        mean = _all_reduce(_masked_total(x, w), False) / n
-        var = _all_reduce(_masked_total((x - mean).square_(), w), False) / n
+        slices = batch_slices(x)
+        mean = _all_reduce(_batch_total(x, w), False) / n
+        var = _all_reduce(_batch_total(x, w, lambda t: (t - mean).square_()), False) / n
         inv_std = torch.rsqrt(var + eps)
-        z = torch.addcmul(-mean * inv_std, x, inv_std)
-        norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min_(1e-12)
-        y = z.div_(norm)
+        shift = -mean * inv_std
+        if len(slices) == 1:
+            z = torch.addcmul(shift, x, inv_std)
+            norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min_(1e-12)
+            y = z.div_(norm)
+        else:
+            y = torch.empty_like(x)
+            norm = x.new_empty(*x.shape[:-1], 1)
+            for sl in slices:
+                z = torch.addcmul(shift, x[sl], inv_std)
+                torch.linalg.vector_norm(z, dim=-1, keepdim=True, out=norm[sl])
+                torch.div(z, norm[sl].clamp_min_(1e-12), out=y[sl])
         ctx.save_for_backward(y, norm, inv_std, w, n)
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
@@ -87,21 +115,30 @@ class _BatchStandardiseNormalise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy, _gmean, _gvar):
         y, norm, inv_std, w, n = ctx.saved_tensors
-        # Row normalisation: gz = (gy − y⟨y, gy⟩)/‖z‖.
-        dot = torch.linalg.vecdot(y, gy).unsqueeze(-1)
-        gz = torch.addcmul(gy, y, dot, value=-1.0).div_(norm)
-        # Batch norm: gx = (gz − w·(Σ gz + ẑ·Σ gz·ẑ)/n)/σ with ẑ = (x − μ)/σ = y‖z‖. μ and σ
-        # come from the real rows (w = 1) only, but every row, padded ones included, is
-        # standardised with them, so the sums run over all rows and the correction reaches
-        # the real rows only.
-        zhat = y * norm
-        sums = torch.cat([gz.sum(2).sum(0), (gz * zhat).sum(2).sum(0)])  # (2H, d)
+        slices = batch_slices(y)
+        # Row normalisation: gz = (gy − y⟨y, gy⟩)/‖z‖. Batch norm: gx = (gz − w·(Σ gz +
+        # ẑ·Σ gz·ẑ)/n)/σ with ẑ = (x − μ)/σ = y‖z‖. μ and σ come from the real rows (w = 1)
+        # only, but every row, padded ones included, is standardised with them, so the sums
+        # run over all rows and the correction reaches the real rows only.
+        gx = torch.empty_like(y) if len(slices) > 1 else None
+        sums_g, sums_gz = [], []
+        for sl in slices:
+            ys, ns = y[sl], norm[sl]
+            dot = torch.linalg.vecdot(ys, gy[sl]).unsqueeze(-1)
+            out = None if gx is None else gx[sl]  # gz of the piece, kept in gx's place
+            gz = torch.addcmul(gy[sl], ys, dot, value=-1.0, out=out).div_(ns)
+            sums_g.append(gz.sum(2))
+            sums_gz.append((gz * (ys * ns)).sum(2))
+        if gx is None:
+            gx = gz
+        sums = torch.cat([torch.cat(sums_g).sum(0), torch.cat(sums_gz).sum(0)])  # (2H, d)
         sums = _all_reduce(sums, False) / n
         mean_g, mean_gz = sums.view(2, -1, 1, sums.shape[-1]).unbind(0)
-        corr = torch.addcmul(mean_g, zhat, mean_gz)
-        if w is not None:
-            corr = corr * w
-        gx = (gz - corr).mul_(inv_std)
+        for sl in slices:
+            corr = torch.addcmul(mean_g, y[sl] * norm[sl], mean_gz)
+            if w is not None:
+                corr = corr.mul_(w[sl])
+            gx[sl].sub_(corr).mul_(inv_std)
         return gx, None, None, None
 
 
@@ -110,14 +147,24 @@ class _PostSBN(torch.autograd.Function):
     functions, not memory passes (on a 2-core AVX2 CPU one log or exp of a (32, 2, 1000, 32)
     tensor takes ~10 ms, ``pow`` with a tensor exponent ~40): autograd's ``pow`` ran three of
     them forward and backward; here one log and one exp forward, one exp backward, and
-    log|y| is kept for the backward pass."""
+    log|y| is kept for the backward pass. Eager on the CPU over the batch in pieces, as
+    above; the parameters' gradients sum over positions per entry, then over the batch."""
 
     @staticmethod
     def forward(ctx, out, gamma, log_beta):
         beta = log_beta.exp()
-        y = gamma * out
-        log_abs = y.abs().clamp_min_(torch.finfo(y.dtype).tiny).log_()
-        result = y.mul_(log_abs.mul(beta - 1.0).exp_())
+        tiny = torch.finfo(out.dtype).tiny
+        slices = batch_slices(out) if out.dim() == 4 else [slice(None)]
+        if len(slices) == 1:
+            y = gamma * out
+            log_abs = y.abs().clamp_min_(tiny).log_()
+            result = y.mul_(log_abs.mul(beta - 1.0).exp_())
+        else:
+            result, log_abs = torch.empty_like(out), torch.empty_like(out)
+            for sl in slices:
+                y = gamma * out[sl]
+                la = torch.log(y.abs().clamp_min_(tiny), out=log_abs[sl])
+                torch.mul(y, la.mul(beta - 1.0).exp_(), out=result[sl])
         ctx.save_for_backward(out, log_abs, gamma, log_beta)
         return result
 
@@ -125,13 +172,28 @@ class _PostSBN(torch.autograd.Function):
     def backward(ctx, g):
         out, log_abs, gamma, log_beta = ctx.saved_tensors
         beta = log_beta.exp()
-        gp = log_abs.mul(beta - 1.0).exp_().mul_(g)  # g·|y|^(β−1)
+        slices = batch_slices(out) if out.dim() == 4 else [slice(None)]
         # ∂r/∂y = β|y|^(β−1); ∂r/∂β = r·log|y| = γ·out·|y|^(β−1)·log|y|; ∂/∂log β = β·∂/∂β.
-        g_out = gp * (beta * gamma)
-        reduce = tuple(range(g.dim() - 3))  # leading dims that (H, 1, d) broadcasts over
-        t = gp.mul_(out)
-        g_gamma = t.sum(reduce).sum(-2, keepdim=True) * beta
-        g_log_beta = t.mul_(log_abs).sum(reduce).sum(-2, keepdim=True) * (beta * gamma)
+        g_out = torch.empty_like(g) if len(slices) > 1 else None
+        t_parts, tl_parts = [], []
+        for sl in slices:
+            gp = log_abs[sl].mul(beta - 1.0).exp_().mul_(g[sl])  # g·|y|^(β−1)
+            if g_out is None:
+                g_out = gp * (beta * gamma)
+            else:
+                torch.mul(gp, beta * gamma, out=g_out[sl])
+            t = gp.mul_(out[sl])
+            t_parts.append(t.sum(-2))
+            tl_parts.append(t.mul_(log_abs[sl]).sum(-2))
+
+        def total(parts):  # Σ over positions, then over the leading dims: (H, 1, d)
+            t = torch.cat(parts)
+            if t.dim() > 2:
+                t = t.sum(tuple(range(t.dim() - 2)))
+            return t[:, None]
+
+        g_gamma = total(t_parts) * beta
+        g_log_beta = total(tl_parts) * (beta * gamma)
         return g_out, g_gamma, g_log_beta
 
 
@@ -221,19 +283,17 @@ class PPSBNAttention(AttentionBackend):
         bound = math.log(self.temperature_max)
         return torch.exp(bound * torch.tanh(self.temperature_logit / bound))
 
-    def _standardise(self, x, mask, which: int, update: bool):
-        if self.sbn_stats == "row":
-            x = x - x.mean(-1, keepdim=True)
-            return x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.sbn_eps)
-        # Running estimates (evaluation, and causal training); training on batch statistics
-        # takes _BatchStandardiseNormalise instead. Copies: the update below is in place.
+    def _running_affine(self, x, mask, which: int, update: bool):
+        """(shift, scale) of standardising with the running estimates (evaluation, and causal
+        training), updating them from this batch first if asked; training on batch
+        statistics takes _BatchStandardiseNormalise instead. Copies: the update is in place."""
         mean = self.running_mean[which][:, None].clone()
         var = self.running_var[which][:, None].clone()
         if update:
             batch_mean, batch_var, n = self._moments(x, mask, differentiable=False)
             self._update_running(which, batch_mean, batch_var, n)
         inv_std = torch.rsqrt(var + self.sbn_eps)
-        return torch.addcmul(-mean * inv_std, x, inv_std)  # (x − μ)/σ in one pass
+        return -mean * inv_std, inv_std  # (x − μ)/σ = shift + x·inv_std
 
     @staticmethod
     def _moments(x, mask, differentiable: bool):
@@ -247,15 +307,13 @@ class PPSBNAttention(AttentionBackend):
         if not differentiable:
             x = x.detach()  # only the running estimates read them: no graph to keep
         w, n = _row_weights(x, mask)
-
-        def total(t):  # (B, H, L, d) -> (H, d)
-            return (t if w is None else t * w).sum(2).sum(0)
-
-        mean = _all_reduce(total(x), differentiable)[:, None] / n  # (H, 1, d)
+        # Pieces only without a graph: slicing inside autograd is slow (docs/pitfalls.md §2).
+        pieces = not differentiable
+        mean = _all_reduce(_batch_total(x, w, pieces=pieces), differentiable) / n  # (H, 1, d)
         # ∂/∂μ of Σ w(x − μ)² is −2 Σ w(x − μ) = 0 over all ranks: no graph through μ here
         # (torch.var_mean's backward drops the same term), saving a full reduction backward.
-        sq = total((x - mean.detach()).square())
-        return mean, _all_reduce(sq, differentiable)[:, None] / n, n
+        sq = _batch_total(x, w, lambda t: (t - mean.detach()).square(), pieces)
+        return mean, _all_reduce(sq, differentiable) / n, n
 
     def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool):
         if self.sbn_stats == "batch" and not running:
@@ -268,7 +326,21 @@ class PPSBNAttention(AttentionBackend):
             if update:
                 self._update_running(which, mean, var, n)
             return y
-        return F.normalize(self._standardise(x, mask, which, update), dim=-1)
+        if self.sbn_stats == "row":
+            x = x - x.mean(-1, keepdim=True)
+            x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.sbn_eps)
+            return F.normalize(x, dim=-1)
+        shift, scale = self._running_affine(x, mask, which, update)
+        slices = batch_slices(x)
+        if len(slices) == 1 or (torch.is_grad_enabled() and x.requires_grad):
+            return F.normalize(torch.addcmul(shift, x, scale), dim=-1)
+        # No graph (evaluation): over the batch in pieces, as the functions above.
+        y = torch.empty_like(x)
+        for sl in slices:
+            z = torch.addcmul(shift, x[sl], scale)
+            norm = torch.linalg.vector_norm(z, dim=-1, keepdim=True).clamp_min_(1e-12)
+            torch.div(z, norm, out=y[sl])
+        return y
 
     @torch.no_grad()
     def _update_running(self, which: int, mean, var, n):

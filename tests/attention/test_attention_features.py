@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import macformer_lit.attention.features as features
+import macformer_lit.attention.pieces as pieces
 from macformer_lit.attention import build_attention, get_kernel
 from macformer_lit.attention.feature_attention import causal_product
 from macformer_lit.attention.features import (
@@ -97,7 +98,7 @@ def test_maclaurin_map_gradcheck():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("measure", ["faithful", "h01"])
 def test_map_in_batch_pieces_equals_one_piece(monkeypatch, causal, measure):
-    """The map runs over the batch in pieces of MAP_CHUNK_BYTES (forward and backward): one
+    """The map runs over the batch in pieces of PIECE_BYTES (forward and backward): one
     batch entry a piece must give the same bits as the whole batch at once, for the output
     and every input gradient, with padding, in both the plain and the folded (causal) layout,
     through ppSBN (which computes its statistics over the whole batch before the map)."""
@@ -111,22 +112,22 @@ def test_map_in_batch_pieces_equals_one_piece(monkeypatch, causal, measure):
     grad = torch.randn(B, 2, N, 8)
     runs = []
     for budget in (1 << 40, 1):
-        monkeypatch.setattr(features, "MAP_CHUNK_BYTES", budget)
+        monkeypatch.setattr(pieces, "PIECE_BYTES", budget)
         for t in (q, k, v):
             t.grad = None
         out = copy.deepcopy(att)(q, k, v, key_padding_mask=mask, causal=causal)
         out.backward(grad)
         runs.append([out.detach(), q.grad, k.grad, v.grad])
-    pieces = features._pieces(q.detach(), torch.zeros(B, 2, 3, 8), None, 4, 3)
-    assert len(pieces) == B  # the second run really ran entry by entry
+    parts = features._pieces(q.detach(), torch.zeros(B, 2, 3, 8), None, 4, 3)
+    assert len(parts) == B  # the second run really ran entry by entry
     for whole, piecewise in zip(*runs):
         assert torch.equal(whole, piecewise)
 
 
 def test_map_pieces_only_on_the_cpu(monkeypatch):
-    """Off the CPU the map runs in one piece whatever MAP_CHUNK_BYTES says (each piece costs
+    """Off the CPU the map runs in one piece whatever PIECE_BYTES says (each piece costs
     a kernel launch per level on a GPU, and its allocator has no mmap page faults)."""
-    monkeypatch.setattr(features, "MAP_CHUNK_BYTES", 1)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 1)
     x, w = torch.zeros(5, 2, 7, 8), torch.zeros(5, 2, 3, 8)
     assert len(features._pieces(x, w, None, 4, 3)) == 5
     meta = features._pieces(x.to("meta"), w.to("meta"), None, 4, 3)

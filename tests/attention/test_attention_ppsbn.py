@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from macformer_lit.attention import build_attention
+from macformer_lit.attention import pieces as pieces_module
 
 D, H = 8, 2
 
@@ -173,12 +174,16 @@ def test_statistics_are_synchronised_across_ranks():
         torch.testing.assert_close(results[rank][3], k_.grad[shard], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_fused_pre_sbn_and_post_sbn_gradients_are_exact(masked):
+def test_fused_pre_sbn_and_post_sbn_gradients_are_exact(monkeypatch, masked, pieces):
     """The hand-written backward passes of pre-SBN (batch statistics, row normalisation) and
     post-SBN against finite differences, padded rows included, and γ, β against autograd
-    through the float64 reference."""
+    through the float64 reference; whole, and over the batch one entry a piece."""
     from macformer_lit.attention.ppsbn import _BatchStandardiseNormalise, _PostSBN
+
+    if pieces:
+        monkeypatch.setattr(pieces_module, "PIECE_BYTES", 1)
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, H, 7, D, generator=g, dtype=torch.float64).requires_grad_()
@@ -221,3 +226,39 @@ def test_ppsbn_parameter_gradients_match_reference(name):
         grads.append([p.grad.clone() for p in (attn.gamma, attn.log_beta, attn.temperature_logit)])
     for expected, actual, what in zip(*grads, ("gamma", "log_beta", "temperature")):
         torch.testing.assert_close(actual, expected, rtol=1e-7, atol=1e-10, msg=what)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["softmax", "rmfa"])
+def test_ppsbn_in_batch_pieces_gives_the_same_bits(monkeypatch, name, causal):
+    """On the CPU ppSBN's passes run over the batch in pieces of PIECE_BYTES (pieces.py: the
+    Text preset's q is 33 MB, a fresh mmap for every temporary). One entry a piece must give
+    the same bits as the whole batch at once: training output, every input and parameter
+    gradient, the running statistics, and the evaluation output, with padding."""
+    torch.manual_seed(0)
+    attn = build_attention(name, head_dim=D, num_heads=H, pre_sbn=True, post_sbn=True)
+    with torch.no_grad():
+        attn.gamma.uniform_(0.5, 1.5)
+        attn.log_beta.uniform_(-0.3, 0.3)
+    B, N = 5, 23
+    q, k, v = (torch.randn(B, H, N, D, requires_grad=True) for _ in range(3))
+    mask = torch.rand(B, N) > 0.2
+    mask[:, 0] = True
+    grad = torch.randn(B, H, N, D)
+    runs = []
+    for budget in (1 << 40, 1):
+        monkeypatch.setattr(pieces_module, "PIECE_BYTES", budget)
+        assert len(pieces_module.batch_slices(q)) == (1 if budget > 1 else B)
+        model = copy.deepcopy(attn).train()
+        for t in (q, k, v):
+            t.grad = None
+        out = model(q, k, v, key_padding_mask=mask, causal=causal)
+        out.backward(grad)
+        with torch.no_grad():
+            evaluated = model.eval()(q, k, v, key_padding_mask=mask, causal=causal)
+        runs.append(
+            [out.detach(), q.grad, k.grad, v.grad, model.gamma.grad, model.log_beta.grad]
+            + [model.running_mean, model.running_var, evaluated]
+        )
+    for whole, piecewise in zip(*runs):
+        assert torch.equal(whole, piecewise)
