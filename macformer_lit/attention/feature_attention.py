@@ -40,6 +40,55 @@ def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -
     return out + phi_q.transpose(-1, -2) @ state
 
 
+class _DivideByLastColumn(torch.autograd.Function):
+    """``out[..., :-1] / den`` for out = [numerator, raw denominator] (..., d+1), where
+    ``den`` is the raw denominator after the policy and ``slope`` its derivative by the raw
+    one (both computed without a graph; None: 1). Autograd through the two slices of out
+    built two zero tensors of out's size, copied into them and added them, then negated and
+    divided for the denominator's gradient; here backward writes out's gradient once
+    (docs/pitfalls.md §2)."""
+
+    @staticmethod
+    def forward(ctx, out, den, slope):
+        result = out[..., :-1] / den
+        ctx.save_for_backward(result, den, slope)
+        return result
+
+    @staticmethod
+    def backward(ctx, g):
+        result, den, slope = ctx.saved_tensors
+        # ∂/∂den of Σ g·num/den = −⟨g, result⟩/den, times the policy's slope.
+        g_den = torch.linalg.vecdot(g, result).unsqueeze(-1).div_(den).neg_()
+        if slope is not None:
+            g_den = g_den.mul_(slope)
+        if torch.compiler.is_compiling():  # traced: no out= into slices
+            return torch.cat([g / den, g_den], dim=-1), None, None
+        g_out = g.new_empty(*g.shape[:-1], g.shape[-1] + 1)
+        torch.div(g, den, out=g_out[..., :-1])
+        g_out[..., -1:] = g_den
+        return g_out, None, None
+
+
+@torch.no_grad()
+def _apply_policy(policy: str, den, threshold, bad):
+    """(den after ``policy``, its derivative by den or None for 1): the values and the
+    gradients autograd gives ``torch.maximum`` (ties split evenly), ``abs`` and ``where``."""
+    if policy == "clamp":
+        return torch.maximum(den, threshold), _max_slope(den, threshold)
+    if policy == "abs":
+        size = den.abs()
+        return torch.maximum(size, threshold), _max_slope(size, threshold).mul_(den.sgn())
+    if policy == "fallback":
+        # The safe denominator 1 keeps NaN out of the unused rows' values.
+        return torch.where(bad, torch.ones_like(den), den), (~bad).to(den.dtype)
+    return den, None
+
+
+def _max_slope(x, threshold):
+    """∂ max(x, threshold)/∂x as autograd has it: 1 above, 1/2 at a tie, 0 below."""
+    return torch.where(x == threshold, 0.5, (x > threshold).to(x.dtype))
+
+
 def fallback_means_always(device: torch.device) -> bool:
     """Whether the fallback's means are built for every row, needed or not: off the CPU
     (knowing whether a row needs them is a host sync there) and under torch.compile (a graph
@@ -293,7 +342,7 @@ class FeatureAttention(AttentionBackend):
     def _normalise(self, out, count, den_scale, visible_sums):
         """num/den under the denominator policy; ``count`` = number of visible real keys,
         ``visible_sums()`` = [Σ v, n] over them (only computed if the fallback is needed)."""
-        num, den = out[..., :-1], out[..., -1:]
+        den = out[..., -1:].detach()  # the policy and the division's gradient act on it
         # Smallest usable denominator: its square stays finite in the backward pass.
         tiny = torch.finfo(den.dtype).tiny ** 0.5
         if self.signed_features:
@@ -309,14 +358,8 @@ class FeatureAttention(AttentionBackend):
             real = (torch.as_tensor(count, device=den.device) > 0).expand_as(bad)
             rate = (bad & real).sum() / real.sum().clamp_min(1)
             self.last_stats = {"denominator_engaged": rate.detach().float()}
-        if self.denominator == "clamp":
-            den = torch.maximum(den, threshold)
-        elif self.denominator == "abs":
-            den = torch.maximum(den.abs(), threshold)
-        elif self.denominator == "fallback":
-            # The safe denominator keeps NaN out of the unused branch's gradient.
-            den = torch.where(bad, torch.ones_like(den), den)
-        out = num / den
+        den, slope = _apply_policy(self.denominator, den, threshold, bad)
+        out = _DivideByLastColumn.apply(out, den, slope)
         # The fallback is uniform attention over the visible keys, which every kernel tends to
         # after pre-SBN. Rows needing it are rare: on the CPU ``bad.any()`` is free, so the
         # means are built only then; on an accelerator it would be a host sync, and under

@@ -78,3 +78,46 @@ def test_stats_are_off_by_default():
     attn = build_attention("rmfa", head_dim=8, num_heads=2)
     attn(*(torch.randn(1, 2, 5, 8) for _ in range(3)))
     assert attn.last_stats == {}
+
+
+@pytest.mark.parametrize("policy", DENOMINATOR_POLICIES)
+def test_division_gradient_is_autograds_through_the_policy(policy):
+    """The division runs through a hand-written backward (one gradient tensor for [num, den]
+    instead of autograd's two zero-filled slices): its values and gradient must be autograd's
+    through the policy written plainly, rows above, below and exactly at the threshold
+    (``torch.maximum`` splits a tie evenly), negative denominators included."""
+    from macformer_lit.attention.feature_attention import _apply_policy, _DivideByLastColumn
+
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 2, 12, 5, generator=g, dtype=torch.float64)
+    threshold = torch.full((2, 2, 12, 1), 0.3, dtype=torch.float64)
+    out[0, 0, :3, -1] = 0.3  # ties
+    out[0, 1, :3, -1] = -0.3  # ties of |den|
+    weights = torch.randn(2, 2, 12, 4, generator=g, dtype=torch.float64)
+
+    def plain(o):
+        num, den = o[..., :-1], o[..., -1:]
+        bad = ~(den.detach() > threshold)
+        if policy == "clamp":
+            den = torch.maximum(den, threshold)
+        elif policy == "abs":
+            den = torch.maximum(den.abs(), threshold)
+        elif policy == "fallback":
+            den = torch.where(bad, torch.ones_like(den), den)
+        return num / den
+
+    def fused(o):
+        den = o[..., -1:].detach()
+        den, slope = _apply_policy(policy, den, threshold, ~(den > threshold))
+        return _DivideByLastColumn.apply(o, den, slope)
+
+    results = []
+    for fn in (plain, fused):
+        x = out.clone().requires_grad_()
+        y = fn(x)
+        (y * weights).sum().backward()
+        results.append((y.detach(), x.grad))
+    (y0, g0), (y1, g1) = results
+    assert torch.equal(y0, y1)
+    torch.testing.assert_close(g1, g0, rtol=1e-13, atol=1e-15)
+    assert (g0[..., -1] != 0).any() and (g0[..., -1] == 0).any() == (policy != "none")
