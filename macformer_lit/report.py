@@ -366,8 +366,19 @@ def collect(paths: list[Path], out: Path | None = None) -> tuple[list[Run], list
     return list(kept.values()), skipped
 
 
-def group_key(run: Run) -> tuple:
+def device_of(run: Run) -> str:
+    """CPU or GPU, from the memory metric the run logged."""
+    return "GPU" if run.mem_kind == "GPU" else "CPU"
+
+
+def config_key(run: Run) -> tuple:
+    """Runs of one experiment: the task and the whole config but seeds and bookkeeping."""
     return (run.task, tuple(sorted(run.settings.items())))
+
+
+def group_key(run: Run) -> tuple:
+    """A row: one experiment on one kind of device (times and memory compare only there)."""
+    return (*config_key(run), device_of(run))
 
 
 def task_key(run: Run) -> tuple:
@@ -377,6 +388,7 @@ def task_key(run: Run) -> tuple:
         tuple(
             sorted((k, v) for k, v in run.settings.items() if not k.startswith(ATTENTION_PREFIX))
         ),
+        device_of(run),
     )
 
 
@@ -450,7 +462,7 @@ def summarise(runs: list[Run]) -> tuple[list[dict], dict[tuple, list[Run]]]:
                 "peak_mem_mb": mem,
                 "mem_rel": mem / base_mem if mem and base_mem else None,
                 "mem_kind": "/".join(sorted({r.mem_kind for r in rs})),
-                "device": "/".join(sorted({"GPU" if r.mem_kind == "GPU" else "CPU" for r in rs})),
+                "device": device_of(rs[0]),
                 "softmax_time_sec": base_time,
                 "softmax_peak_mem_mb": base_mem,
                 "nmse": _mean([r.nmse for r in rs if r.nmse is not None]),
@@ -468,6 +480,7 @@ def summarise(runs: list[Run]) -> tuple[list[dict], dict[tuple, list[Run]]]:
             r["backend"] != "softmax",
             r["backend"],
             r["setting"],
+            r["device"],
         )
     )
     return rows, groups
@@ -553,7 +566,9 @@ def markdown(
         "- rows: runs grouped by their whole config except seeds (`seed_everything`, "
         "`data.init_args.seed`) and bookkeeping (experiment, runs_dir, ckpt_path, W&B, "
         "loggers, callback paths, telemetry, memory and standard-callback settings, progress "
-        "display); setting shows the config values in which rows of a task differ. Only "
+        "display), and by device (CPU and GPU runs of one config are two rows, each timed "
+        "against softmax on its own device); setting shows the config values in which rows "
+        "of a task differ. Only "
         "fits that reached their max_steps/max_epochs and then logged test/acc count; a "
         "second run of a seed "
         "already in its group counts once (the later in path order).",
@@ -568,11 +583,20 @@ def markdown(
         ]
         lines += [f"| {src} | {model} | {acc:.2f} |" for src, model, acc in PAPER_LISTOPS]
         ours = [r for r in rows if r["task"] == "ListOps"]
-        for r in ours:
-            settings = groups[r["_key"]][0].settings
+        for label, settings, runs in _pooled_over_devices(ours, groups):
+            accs = [100 * r.test_acc for r in runs]
+            pooled = {
+                "test_acc": statistics.fmean(accs),
+                "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else None,
+            }
+            devices = sorted({device_of(r) for r in runs})
+            where = ""
+            if len(devices) > 1:
+                counts = [sum(device_of(r) == d for r in runs) for d in devices]
+                where = ": " + " + ".join(f"{n} on {d}" for n, d in zip(counts, devices))
             lines.append(
-                f"| ours | {r['backend']} ({_listops_lengths(settings)}, {r['seeds']} seed"
-                f"{'s' if r['seeds'] > 1 else ''}) | {_acc(r)} |"
+                f"| ours | {label} ({_listops_lengths(settings)}, {len(runs)} seed"
+                f"{'s' if len(runs) > 1 else ''}{where}) | {_acc(pooled)} |"
             )
         if not ours:
             lines.append(
@@ -590,6 +614,20 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def _pooled_over_devices(rows: list[dict], groups: dict[tuple, list[Run]]):
+    """[(label, settings, runs)]: the rows of one experiment on different devices as one,
+    in row order. Accuracy does not depend on the device, so the papers' table pools them;
+    times and memory (the main table) do, so rows there stay apart."""
+    pooled: dict[tuple, tuple[str, dict, list[Run]]] = {}
+    for r in rows:
+        runs = groups[r["_key"]]
+        key = config_key(runs[0])
+        if key not in pooled:
+            pooled[key] = (r["backend"], runs[0].settings, [])
+        pooled[key][2].extend(runs)
+    return list(pooled.values())
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -599,6 +637,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 def row_name(row: dict, tasks: int) -> str:
     name = row["backend"] + (f" [{row['setting']}]" if row["setting"] else "")
+    name += " (GPU)" if row["device"] == "GPU" else ""
     return f"{row['task']}: {name}" if tasks > 1 else name
 
 

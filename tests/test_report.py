@@ -303,3 +303,61 @@ def test_several_tasks_and_a_task_without_softmax(runs, tmp_path):
     # Text now has a run, so it is not among the tasks listed as not run.
     not_run = [r["task"] for r in rows.values() if r["status"] == "not run"]
     assert not_run == ["Retrieval", "Image", "Pathfinder"]
+
+
+def test_runs_on_another_device_are_their_own_row_and_pool_in_the_papers_table(runs, tmp_path):
+    """A GPU run (its metrics say train/peak_gpu_mem_mb) of the same config as CPU runs: its
+    own row in the main table, timed against softmax on the GPU only, while the papers'
+    table pools the accuracy of every seed whatever the device."""
+    made, _ = runs
+    root = tmp_path / "runs"
+    for name in ("softmax1", "softmax2", "rmfa"):
+        shutil.copytree(made[name], root / name)
+    # softmax seed 3 and rmfa seed 1 again, "on a GPU": the memory column renamed, times halved.
+    for name, src, seed in (("softmax3_gpu", "softmax1", 3), ("rmfa_gpu", "rmfa", 1)):
+        shutil.copytree(made[src], root / name)
+        config = root / name / "config.yaml"
+        text = config.read_text()
+        assert "seed_everything: 1\n" in text
+        config.write_text(text.replace("seed_everything: 1\n", f"seed_everything: {seed}\n"))
+        metrics = root / name / "metrics.csv"
+        with open(metrics, newline="") as f:
+            table = list(csv.DictReader(f))
+        for r in table:
+            if r.get("train/time_sec"):
+                r["train/time_sec"] = str(float(r["train/time_sec"]) / 2)
+            r["train/peak_gpu_mem_mb"] = r.pop("train/peak_rss_mb")
+        with open(metrics, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table[0]))
+            writer.writeheader()
+            writer.writerows(table)
+    out = tmp_path / "out"
+    main([str(root), "--out", str(out)])
+    with open(out / "report.csv", newline="") as f:
+        rows = {(r["backend"], r["device"]): r for r in csv.DictReader(f) if r["status"] == "run"}
+    assert set(rows) == {
+        ("softmax", "CPU"),
+        ("softmax", "GPU"),
+        ("rmfa[exp]+ppSBN", "CPU"),
+        ("rmfa[exp]+ppSBN", "GPU"),
+    }
+    assert rows[("softmax", "CPU")]["seeds"] == "2" and rows[("softmax", "GPU")]["seeds"] == "1"
+    gpu_soft = max(logged(made["softmax1"], "train/time_sec")) / 2
+    gpu_rmfa = max(logged(made["rmfa"], "train/time_sec")) / 2
+    assert float(rows[("softmax", "GPU")]["time_sec"]) == pytest.approx(gpu_soft)
+    assert float(rows[("rmfa[exp]+ppSBN", "GPU")]["time_rel"]) == pytest.approx(gpu_rmfa / gpu_soft)
+    assert rows[("rmfa[exp]+ppSBN", "GPU")]["mem_kind"] == "GPU"
+    cpu_soft = statistics.fmean(
+        max(logged(made[n], "train/time_sec")) for n in ("softmax1", "softmax2")
+    )
+    assert float(rows[("rmfa[exp]+ppSBN", "CPU")]["time_rel"]) == pytest.approx(
+        max(logged(made["rmfa"], "train/time_sec")) / cpu_soft
+    )
+    accs = [100 * logged(made[n], "test/acc")[-1] for n in ("softmax1", "softmax2", "softmax1")]
+    md = (out / "report.md").read_text()
+    pooled = f"{statistics.fmean(accs):.2f} ± {statistics.stdev(accs):.2f}"
+    assert (
+        f"| ours | softmax (trees 20–120 tokens, 3 seeds: 2 on CPU + 1 on GPU) | {pooled} |" in md
+    )
+    rmfa_accs = [100 * logged(made["rmfa"], "test/acc")[-1]] * 2
+    assert f"2 seeds: 1 on CPU + 1 on GPU) | {statistics.fmean(rmfa_accs):.2f} ± 0.00 |" in md
