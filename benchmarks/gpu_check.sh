@@ -13,37 +13,20 @@
 #   DEVICE=cpu SMOKE=1 bash benchmarks/gpu_check.sh   # the plumbing on a CPU, tiny shapes
 #
 # Each step runs under its own time limit and its log and outputs are packed into
-# $OUT/gpu_check.tgz after it, so a step that runs out of time costs only itself. Where the
-# folder .whl holds wheels (packages the machine lacks: datasets, jsonargparse, omegaconf, ...),
-# they are installed into /tmp/site first. Set MACFORMER_LIT_COMMIT to the commit the tree
-# is at: a lent machine's .git is the session's start, not the tree sent. Copy the results into benchmarks/results/ by hand
-# (train_step_cuda.*, attention_speed_cuda.*) and name the machine and commit in the README.
+# $OUT/gpu_check.tgz after it, so a step that runs out of time costs only itself
+# (benchmarks/_lent_machine.sh: wheels from .whl, MACFORMER_LIT_COMMIT). Copy the results
+# into benchmarks/results/ by hand (train_step_cuda.*, attention_speed_cuda.*) and name the
+# machine and commit in the README.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 DEVICE=${DEVICE:-cuda}
 SMOKE=${SMOKE:-0}
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d)
-mkdir -p "$OUT" "$WORK/bench"
-export PYTHONUNBUFFERED=1 WANDB_MODE=disabled HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-
-pack() { tar czf "$OUT/gpu_check.tgz.tmp" -C "$WORK" . && mv "$OUT/gpu_check.tgz.tmp" "$OUT/gpu_check.tgz"; }
-step() {  # step NAME SECONDS COMMAND...: run under a limit, log to $WORK/NAME.log, pack
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name (limit ${limit} s) $(date +%T)"
-    local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
-    local rc=$?
-    echo "=== $name rc=$rc in $((SECONDS - t0)) s"
-    tail -n 12 "$WORK/$name.log"
-    pack
-}
+PACK=gpu_check.tgz
+export WANDB_MODE=disabled
+source "$(dirname "$0")/_lent_machine.sh"
+mkdir -p "$WORK/bench"
 
 if [ "$SMOKE" = 1 ]; then
     TS=(--max-len 64 --batch 2 --rounds 1 --warmup 0 --gemm-n 256 --gemm-calls 2)
@@ -54,7 +37,6 @@ else
     AS=()
     FIT=()
 fi
-git rev-parse HEAD >"$WORK/commit.txt" 2>/dev/null || true
 
 step machine 60 bash -c "nvidia-smi; $PY -c 'import torch, lightning, pyarrow, fsspec, huggingface_hub as h
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
