@@ -583,7 +583,7 @@ def markdown(
         ]
         lines += [f"| {src} | {model} | {acc:.2f} |" for src, model, acc in PAPER_LISTOPS]
         ours = [r for r in rows if r["task"] == "ListOps"]
-        for label, settings, runs in _pooled_over_devices(ours, groups):
+        for label, setting, settings, runs in _pooled_over_devices(ours, groups):
             accs = [100 * r.test_acc for r in runs]
             pooled = {
                 "test_acc": statistics.fmean(accs),
@@ -594,8 +594,9 @@ def markdown(
             if len(devices) > 1:
                 counts = [sum(device_of(r) == d for r in runs) for d in devices]
                 where = ": " + " + ".join(f"{n} on {d}" for n, d in zip(counts, devices))
+            differs = f", {setting}" if setting else ""
             lines.append(
-                f"| ours | {label} ({_listops_lengths(settings)}, {len(runs)} seed"
+                f"| ours | {label} ({_listops_lengths(settings)}{differs}, {len(runs)} seed"
                 f"{'s' if len(runs) > 1 else ''}{where}) | {_acc(pooled)} |"
             )
         if not ours:
@@ -615,16 +616,16 @@ def markdown(
 
 
 def _pooled_over_devices(rows: list[dict], groups: dict[tuple, list[Run]]):
-    """[(label, settings, runs)]: the rows of one experiment on different devices as one,
-    in row order. Accuracy does not depend on the device, so the papers' table pools them;
-    times and memory (the main table) do, so rows there stay apart."""
-    pooled: dict[tuple, tuple[str, dict, list[Run]]] = {}
+    """[(label, setting text, settings, runs)]: the rows of one experiment on different
+    devices as one, in row order. Accuracy does not depend on the device, so the papers'
+    table pools them; times and memory (the main table) do, so rows there stay apart."""
+    pooled: dict[tuple, tuple[str, str, dict, list[Run]]] = {}
     for r in rows:
         runs = groups[r["_key"]]
         key = config_key(runs[0])
         if key not in pooled:
-            pooled[key] = (r["backend"], runs[0].settings, [])
-        pooled[key][2].extend(runs)
+            pooled[key] = (r["backend"], r["setting"], runs[0].settings, [])
+        pooled[key][3].extend(runs)
     return list(pooled.values())
 
 

@@ -200,7 +200,8 @@ def test_lra_reference_block_and_tasks_not_run(runs, tmp_path):
         "| SchoenbAt paper | SchoenbAt | 38.21 |",
         "| LRA paper | Transformer (softmax) | 36.37 |",
         "| xformers | Transformer, 2 layers, softmax | 37.50 |",
-        "| ours | rmfa[exp]+ppSBN (trees 20–120 tokens, 1 seed) |",
+        "| ours | rmfa[exp]+ppSBN (trees 20–120 tokens, data.tokenizer=official, 1 seed) |",
+        "| ours | softmax (trees 20–120 tokens, data.tokenizer=skyformer, 1 seed) |",
     ):
         assert line in md
     rows = list(csv.DictReader(open(out / "report.csv", newline="")))
