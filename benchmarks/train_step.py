@@ -572,6 +572,44 @@ def peak_memory(case: Case, device: str) -> tuple[int, list[str]]:
     return int(peak), ops
 
 
+# Op groups of a profile (ATen names, self time): matrix products, SDPA's fused kernels,
+# and copies (dtype casts, .contiguous(), cat's writes).
+PROFILE_GROUPS = {
+    "GEMM": ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm"),
+    "SDPA": ("aten::_scaled_dot_product",),
+    "copies": ("aten::copy_", "aten::cat", "aten::fill_", "aten::zero_"),
+}
+
+
+def profile_step(case: Case, device: str, top: int) -> dict:
+    """One more step under ``torch.profiler``: total self time, the ``top`` ops by self time
+    (ms, calls) and the share of each of ``PROFILE_GROUPS`` (the rest is elementwise work,
+    reductions, the optimiser's foreach kernels and Python-side dispatch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    sync(device)
+    with profile(activities=activities) as prof:
+        case()
+        sync(device)
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    attr = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in ops) or 1.0
+    ops.sort(key=lambda e: -getattr(e, attr))
+    shares = {
+        group: sum(getattr(e, attr) for e in ops if e.key.startswith(prefixes)) / total
+        for group, prefixes in PROFILE_GROUPS.items()
+    }
+    return {
+        "clock": "device" if device.startswith("cuda") else "cpu",
+        "total_ms": total / 1e3,
+        "shares": shares,
+        "top": [[e.key, getattr(e, attr) / 1e3, e.count] for e in ops[:top]],
+    }
+
+
 def gemm_peak(
     device: str, dtype: torch.dtype, n: int, calls: int, budget_s: float, seed: int
 ) -> dict:
@@ -778,6 +816,10 @@ def measure(args, device, backends, paths, names, config_dir, compiling) -> dict
                 case.result["peak_memory_bytes"] = peak
                 if ops:
                     case.result["sdpa_ops"] = ops
+        if args.profile:
+            for case in cases:
+                if case.result["status"] == "ok":
+                    case.result["profile"] = profile_step(case, device, args.profile)
         summary = summarise({"results": results, "real_tokens": real}, peaks_now(peaks))
         for row in summary:
             progress(
@@ -1028,6 +1070,22 @@ def write_outputs(res: dict, out: Path, stem: str) -> None:
             notes.append(f"- SDPA kernels seen ({'; '.join(who)}): {ops}")
         if notes:
             md += ["Feature rows per layer and SDPA kernels:\n", *notes, ""]
+        profiled = [r for r in p["results"] if r.get("profile")]
+        if profiled:
+            md.append(
+                "Profiles (one more step under `torch.profiler`, ATen self time; the profiler "
+                "itself slows small ops, so read shares, not times):\n"
+            )
+            for r in profiled:
+                prof = r["profile"]
+                shares = ", ".join(f"{g} {100 * v:.0f} %" for g, v in prof["shares"].items())
+                tops = "; ".join(f"`{k}` {ms:.1f} ms ×{n}" for k, ms, n in prof["top"])
+                md.append(
+                    f"- {labels.get(r['backend'], r['backend'])}, {r['path']}: "
+                    f"{prof['total_ms']:.0f} ms of {prof['clock']} self time; {shares}. "
+                    f"Top: {tops}"
+                )
+            md.append("")
     md.append("## Backends\n")
     for b in res["backends"]:
         spec = "" if b["attention"] is None else f": `{json.dumps(b['attention'])}`"
@@ -1173,6 +1231,14 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one more step of each case and list its N ops with the "
+        "most self time, with the shares of GEMMs, SDPA and copies (default 0: off)",
+    )
+    p.add_argument(
         "--seed", type=int, default=0, help="inputs, weights and round order (default 0)"
     )
     p.add_argument(
@@ -1190,6 +1256,8 @@ def parse_args(argv=None):
     for name in ("rounds", "warmup", "threads", "max_len", "batch", "gemm_n"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.profile < 0:
+        p.error("--profile must be >= 0")
     if args.rounds < 1 or args.gemm_calls < 1:
         p.error("--rounds and --gemm-calls must be >= 1")
     if not 0.0 < args.length_fraction <= 1.0:

@@ -133,3 +133,27 @@ def test_fp16_is_a_gpu_path_reported_as_skipped_on_the_cpu(tmp_path):
             == "skipped: fp16 (a GradScaler, as Lightning's 16-mixed) is a GPU path"
         )
     assert "float16" not in json.loads((out / "fp16.json").read_text())["gemm_peaks"]
+
+
+def test_profile_lists_the_ops_and_group_shares_of_each_case(tmp_path):
+    """--profile N: one more step per case under torch.profiler; the Markdown lists N ops
+    per case and the GEMM, SDPA and copy shares (softmax's SDPA share is not zero, RMFA's
+    is), and --render keeps them."""
+    out = tmp_path / "run"
+    train_step.main(
+        [
+            "--presets", "listops", "--backends", "softmax,rmfa_nosbn", "--paths", "eager",
+            "--rounds", "1", "--warmup", "0", "--max-len", str(N), "--batch", str(B),
+            "--threads", "1", "--gemm-n", "128", "--gemm-calls", "2", "--no-memory",
+            "--profile", "3", "--out", str(out), "--name", "prof",
+        ]
+    )  # fmt: skip
+    [preset] = json.loads((out / "prof.json").read_text())["presets"]
+    prof = {r["backend"]: r["profile"] for r in preset["results"]}
+    assert all(len(p["top"]) == 3 and p["total_ms"] > 0 for p in prof.values())
+    assert prof["softmax"]["shares"]["SDPA"] > 0 and prof["rmfa_nosbn"]["shares"]["SDPA"] == 0
+    assert prof["rmfa_nosbn"]["shares"]["GEMM"] > 0
+    md = (out / "prof.md").read_text()
+    assert md.count("of cpu self time; GEMM ") == 2
+    train_step.main(["--render", str(out / "prof.json"), "--out", str(tmp_path), "--name", "prof"])
+    assert (tmp_path / "prof.md").read_text() == md
