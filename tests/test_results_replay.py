@@ -44,7 +44,9 @@ def logged_losses(metrics: Path, below: int) -> dict[int, float]:
         ),
         # Recorded at 8d6b7af; replayed since by a Maclaurin map that runs in batch pieces
         # and lays its products out by level (the same features, summed in another order):
-        # passed at 4ee7b69 in 2 min 18 s at one thread beside a two-thread training run.
+        # passed at 4ee7b69 in 2 min 18 s at one thread beside a two-thread training run,
+        # and at e09e319 (ppSBN over the batch in pieces, the division's own backward) in
+        # 1 min 58 s, likewise.
         pytest.param(
             "lra_listops/lra_listops_table2/method=macformer,seed=0/version_0",
             marks=pytest.mark.slow,
