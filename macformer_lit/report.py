@@ -616,9 +616,10 @@ def markdown(
 
 
 def _pooled_over_devices(rows: list[dict], groups: dict[tuple, list[Run]]):
-    """[(label, setting text, settings, runs)]: the rows of one experiment on different
-    devices as one, in row order. Accuracy does not depend on the device, so the papers'
-    table pools them; times and memory (the main table) do, so rows there stay apart."""
+    """[(label, setting text, settings, runs)]: the rows of one experiment (one config) on
+    different devices as one, in row order. The papers' table compares accuracy, for which
+    a run on another device is one more run of the same experiment, so it pools them; times
+    and memory depend on the device, so the main table keeps them apart."""
     pooled: dict[tuple, tuple[str, str, dict, list[Run]]] = {}
     for r in rows:
         runs = groups[r["_key"]]
