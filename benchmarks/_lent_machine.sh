@@ -1,5 +1,5 @@
 # Sourced by gpu_check.sh and gpu_paper_runs.sh: what a lent machine needs before anything runs
-# there, and how each step runs under its own limit and is packed as it ends.
+# there, how each step runs under its own limit and is packed as it ends, and the machine step.
 #   needs: OUT (results folder), PACK (archive name under $OUT), PY (python), WORK (scratch)
 # Where the folder .whl holds wheels (packages the machine lacks: datasets, jsonargparse,
 # omegaconf, ...), they are installed into /tmp/site first. A lent machine's .git is the
@@ -25,4 +25,10 @@ step() {  # step NAME SECONDS COMMAND...: run under a limit, log to $WORK/NAME.l
     tail -n 12 "$WORK/$name.log"
     pack
     return $rc
+}
+step_machine() {  # the machine's GPU and versions, as the first step of a script
+    step machine 60 bash -c "nvidia-smi 2>/dev/null; $PY -c 'import torch, lightning, pyarrow, fsspec, huggingface_hub as h
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
+print(\"lightning\", lightning.__version__, \"pyarrow\", pyarrow.__version__, \"fsspec\", fsspec.__version__, \"hub\", h.__version__)
+if torch.cuda.is_available(): print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))'"
 }

@@ -38,10 +38,7 @@ else
     FIT=()
 fi
 
-step machine 60 bash -c "nvidia-smi; $PY -c 'import torch, lightning, pyarrow, fsspec, huggingface_hub as h
-print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
-print(\"lightning\", lightning.__version__, \"pyarrow\", pyarrow.__version__, \"fsspec\", fsspec.__version__, \"hub\", h.__version__)
-if torch.cuda.is_available(): print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))'"
+step_machine
 step tests 120 $PY -m pytest -q -p no:cacheprovider -rs tests/test_device_branches.py
 step train_step 200 $PY -m benchmarks.train_step --device "$DEVICE" \
     --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,favor,linear,torch \

@@ -33,8 +33,7 @@ if [ "$SMOKE" = 1 ]; then
     FIT=(--trainer.max_steps 20 --trainer.val_check_interval 10 --data.data_dir "$(mktemp -d)"
         --data.train_size 640 --data.val_size 64 --data.test_size 64)
 fi
-step machine 60 bash -c "nvidia-smi 2>/dev/null; $PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())
-if torch.cuda.is_available(): print(torch.cuda.get_device_name())'"
+step_machine
 i=0
 for point in "$@"; do
     i=$((i + 1))

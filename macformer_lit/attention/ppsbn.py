@@ -66,12 +66,11 @@ def _entry_totals(t: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return (t if w is None else t * w).sum(2)
 
 
-def _batch_total(x, w, fn=None, pieces: bool = True) -> torch.Tensor:
+def _batch_total(x, w, slices: list[slice], fn=None) -> torch.Tensor:
     """Σ over the batch and positions of fn(x) (default x), rows weighted by w, per (head,
-    channel): (H, 1, d). Over positions first (contiguous rows), then the batch; with
-    ``pieces`` over the batch in pieces on the CPU, each piece's per-entry sums kept and
-    the batch summed once: the same order, so the same bits, as in one piece."""
-    slices = batch_slices(x) if pieces else [slice(None)]
+    channel): (H, 1, d). Over positions first (contiguous rows), then the batch; over the
+    batch ``slices`` (``batch_slices``), each piece's per-entry sums kept and the batch
+    summed once: the same order, so the same bits, as in one piece."""
     parts = [_entry_totals(x[sl] if fn is None else fn(x[sl]), _cut(w, sl)) for sl in slices]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).sum(0)[:, None]
 
@@ -93,8 +92,8 @@ class _BatchStandardiseNormalise(torch.autograd.Function):
     def forward(ctx, x, w, n, eps):
         # x (B, H, L, d); w None or the (B, 1, L, 1) mask of real rows; n their count.
         slices = batch_slices(x)
-        mean = _all_reduce(_batch_total(x, w), False) / n
-        var = _all_reduce(_batch_total(x, w, lambda t: (t - mean).square_()), False) / n
+        mean = _all_reduce(_batch_total(x, w, slices), False) / n
+        var = _all_reduce(_batch_total(x, w, slices, lambda t: (t - mean).square_()), False) / n
         inv_std = torch.rsqrt(var + eps)
         shift = -mean * inv_std
         if len(slices) == 1:
@@ -308,11 +307,11 @@ class PPSBNAttention(AttentionBackend):
             x = x.detach()  # only the running estimates read them: no graph to keep
         w, n = _row_weights(x, mask)
         # Pieces only without a graph: slicing inside autograd is slow (docs/pitfalls.md §2).
-        pieces = not differentiable
-        mean = _all_reduce(_batch_total(x, w, pieces=pieces), differentiable) / n  # (H, 1, d)
+        slices = [slice(None)] if differentiable else batch_slices(x)
+        mean = _all_reduce(_batch_total(x, w, slices), differentiable) / n  # (H, 1, d)
         # ∂/∂μ of Σ w(x − μ)² is −2 Σ w(x − μ) = 0 over all ranks: no graph through μ here
         # (torch.var_mean's backward drops the same term), saving a full reduction backward.
-        sq = _batch_total(x, w, lambda t: (t - mean.detach()).square(), pieces)
+        sq = _batch_total(x, w, slices, lambda t: (t - mean.detach()).square())
         return mean, _all_reduce(sq, differentiable) / n, n
 
     def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool):
