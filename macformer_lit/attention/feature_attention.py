@@ -219,17 +219,26 @@ class FeatureAttention(AttentionBackend):
         phi_q, phi_k = self.reference_features(q, k, key_padding_mask)
         return feature_attention(self, phi_q, phi_k, v, key_padding_mask, causal)
 
+    def recomputes(self, q, k, v) -> bool:
+        """Whether this call keeps only its inputs for backward (``recompute`` on, and a graph
+        being built through q, k or v)."""
+        return (
+            self.recompute and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        )
+
     def _attend(self, q, k, v, *, key_padding_mask, causal):
-        if self.recompute and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if self.recomputes(q, k, v):
             # Keep only q, k, v for the backward pass and compute the features again there
             # (the feature matrices and the map's intermediates are most of the layer's
             # saved memory). The forward has no randomness: the recomputation is exact.
             return torch.utils.checkpoint.checkpoint(
-                self._attend_now, q, k, v, key_padding_mask, causal, use_reentrant=False
+                self.attend_now, q, k, v, key_padding_mask, causal, use_reentrant=False
             )
-        return self._attend_now(q, k, v, key_padding_mask, causal)
+        return self.attend_now(q, k, v, key_padding_mask, causal)
 
-    def _attend_now(self, q, k, v, key_padding_mask, causal):
+    def attend_now(self, q, k, v, key_padding_mask, causal):
+        """The attention on validated inputs, without ``recompute``'s checkpoint: for a
+        wrapper that checkpoints more than this call (ppSBN, post-SBN included)."""
         dtype = q.dtype
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):

@@ -22,9 +22,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .base import AttentionBackend, check_inputs
+from .feature_attention import FeatureAttention
 from .pieces import batch_slices
 
 
@@ -388,10 +390,26 @@ class PPSBNAttention(AttentionBackend):
                 q, k = self._pre_sbn(
                     q, k, query_padding_mask, key_padding_mask, running, update=self.training
                 )
-            out = self.inner(q, k, v, key_padding_mask=key_padding_mask, causal=causal).to(ct)
-            if self.post_sbn:
-                out = self._post_sbn(out)
+            if (
+                self.post_sbn
+                and isinstance(self.inner, FeatureAttention)
+                and (self.inner.recomputes(q, k, v))
+            ):
+                # ``recompute: true``: one checkpoint over the core and post-SBN, whose input
+                # and log|y| would otherwise be kept (two activation-sized tensors a layer).
+                out = torch.utils.checkpoint.checkpoint(
+                    self._core_then_post, q, k, v, key_padding_mask, causal, use_reentrant=False
+                )
+            else:
+                out = self.inner(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
+                out = out.to(ct)
+                if self.post_sbn:
+                    out = self._post_sbn(out)
         return out.to(dtype)
+
+    def _core_then_post(self, q, k, v, key_padding_mask, causal):
+        out = self.inner.attend_now(q, k, v, key_padding_mask, causal)
+        return self._post_sbn(out.to(q.dtype))
 
     def step(self, q, k, v, state=None):
         dtype = q.dtype

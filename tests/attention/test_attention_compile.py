@@ -65,8 +65,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _build(name: str, sbn: bool):
-    options = {}
+def _build(name: str, sbn: bool, **options):
     if name in ("rmfa", "favor"):
         options["num_features"] = 16
     if name in ("rmfa", "favor", "linear"):
@@ -84,7 +83,18 @@ def _build(name: str, sbn: bool):
 
 @pytest.mark.parametrize("name,sbn,causal", CASES)
 def test_fullgraph_and_one_dynamic_compile_over_five_lengths(name, sbn, causal):
-    attn = _build(name, sbn)
+    _check_compiled_equals_eager(_build(name, sbn), causal)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_recompute_compiles_too(causal):
+    """``recompute: true`` (a checkpoint over the core, and over post-SBN too under ppSBN)
+    traces as one graph and equals eager, as the plain backends above."""
+    _check_compiled_equals_eager(_build("rmfa", True, recompute=True), causal)
+
+
+def _check_compiled_equals_eager(attn, causal):
     counter = CompileCounterWithBackend("aot_eager")
 
     def step(q, k, v, mask):

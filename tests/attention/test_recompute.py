@@ -49,11 +49,13 @@ def test_recompute_gives_the_same_outputs_and_gradients(spec, causal):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def _saved_bytes(recompute: bool, causal: bool) -> int:
+def _saved_bytes(recompute: bool, causal: bool, **sbn) -> int:
     torch.manual_seed(0)
     attn = build_attention(
-        {"name": "rmfa", "num_features": 64, "recompute": recompute}, head_dim=D, num_heads=H
-    )
+        {"name": "rmfa", "num_features": 64, "recompute": recompute, **sbn},
+        head_dim=D,
+        num_heads=H,
+    ).train()
     q, k, v, mask = (t.clone().requires_grad_(t.is_floating_point()) for t in _inputs())
     seen: dict[int, int] = {}
 
@@ -73,3 +75,15 @@ def test_recompute_keeps_only_the_inputs(causal):
     assert lean <= inputs, (lean, inputs)
     # Without it the layer keeps the feature matrices (D' = 64 + rows per degree >> d = 8).
     assert full > 4 * inputs, (full, inputs)
+
+
+def test_recompute_with_ppsbn_keeps_its_inputs_and_pre_sbn_rows():
+    """Around RMFA with ``recompute: true``, ppSBN keeps pre-SBN's normalised q and k (their
+    own backward needs them; the recomputation reads them) and v, one checkpoint over the
+    core and post-SBN: not post-SBN's input and log|y|, which autograd keeps otherwise."""
+    sbn = {"pre_sbn": True, "post_sbn": True}
+    act = B * H * N * D * 4  # one float32 activation
+    rows = 2 * B * H * N * 4 + 2 * B * N * 4  # ‖z‖ of q and k, their real-row weights
+    lean, full = _saved_bytes(True, False, **sbn), _saved_bytes(False, False, **sbn)
+    assert lean <= 3 * act + rows + B * N, (lean, act)
+    assert full > 4 * lean, (full, lean)
