@@ -657,6 +657,7 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(2)
     try:
         MacformerCLI(args)
+        _close_process_group()
     except BaseException as err:
         _abandon_unstarted()
         if isinstance(err, ConfigNotFound):
@@ -677,6 +678,19 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     finally:
         _PENDING.clear()
+
+
+def _close_process_group() -> None:
+    """Destroy the default process group once a run has ended normally. A rank that exits
+    with a gloo group alive can abort while the interpreter shuts down ("terminate called
+    without an active exception", exit code -6, after the run's work is done): gloo's worker
+    threads still hold work objects then (pytorch/pytorch#179291). It failed one in four
+    torchrun runs of tests/distributed/test_launchers.py here. Not after an error: destroying
+    a group while another rank may still be inside a collective can hang."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _abandon_unstarted() -> None:
