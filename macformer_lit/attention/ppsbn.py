@@ -393,7 +393,7 @@ class PPSBNAttention(AttentionBackend):
             if (
                 self.post_sbn
                 and isinstance(self.inner, FeatureAttention)
-                and (self.inner.recomputes(q, k, v))
+                and self.inner.recomputes(q, k, v)
             ):
                 # ``recompute: true``: one checkpoint over the core and post-SBN, whose input
                 # and log|y| would otherwise be kept (two activation-sized tensors a layer).
