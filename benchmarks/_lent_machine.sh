@@ -13,7 +13,12 @@ fi
 mkdir -p "$OUT" "$WORK"
 echo "${MACFORMER_LIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" >"$WORK/commit.txt"
 
-pack() { tar czf "$OUT/$PACK.tmp" -C "$WORK" . && mv "$OUT/$PACK.tmp" "$OUT/$PACK"; }
+pack() {  # safe from steps running at the same time: each writes its own temporary archive;
+    # tar's status 1 (a file changed while read: a run still writing) still packs the rest
+    local tmp="$OUT/$PACK.$BASHPID.tmp"
+    tar czf "$tmp" -C "$WORK" . 2>/dev/null
+    if [ $? -le 1 ]; then mv "$tmp" "$OUT/$PACK"; else rm -f "$tmp"; fi
+}
 step() {  # step NAME SECONDS COMMAND...: run under a limit, log to $WORK/NAME.log, pack
     local name=$1 limit=$2
     shift 2

@@ -13,6 +13,10 @@
 #
 # LIMIT (seconds a run, default 420) bounds each point; a point that runs out of it leaves
 # only its log. SMOKE=1 runs 20 steps on 640 trees into a scratch data folder (the plumbing).
+# PARALLEL=1 generates the data once, then runs all points at the same time on the one GPU
+# (each is launch-bound, so they share it well; CUDA MPS is started where the machine allows,
+# to let their kernels overlap): a short lease then fits several points, but their
+# train/time_sec measures a shared GPU, not a backend's speed.
 set -u
 if [ $# -eq 0 ]; then
     echo "usage: bash benchmarks/gpu_paper_runs.sh \"<sweep file in configs/sweeps> --<axis>=<label> ...\" ..." >&2
@@ -21,6 +25,7 @@ fi
 OUT=${OUT:-/tmp/paper_runs}
 SMOKE=${SMOKE:-0}
 LIMIT=${LIMIT:-420}
+PARALLEL=${PARALLEL:-0}
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d)
 PACK=paper_runs.tgz
@@ -29,26 +34,54 @@ source "$(dirname "$0")/_lent_machine.sh"
 # The presets' accelerator and devices stay auto (one GPU there): an override would be part of
 # the run's config, and the report would not pool its accuracy with the CPU runs'.
 FIT=()
+DATA=(--data_dir data/lra)
 if [ "$SMOKE" = 1 ]; then
-    FIT=(--trainer.max_steps 20 --trainer.val_check_interval 10 --data.data_dir "$(mktemp -d)"
-        --data.train_size 640 --data.val_size 64 --data.test_size 64)
+    DATA=(--data_dir "$(mktemp -d)" --train_size 640 --val_size 64 --test_size 64)
+    FIT=(--trainer.max_steps 20 --trainer.val_check_interval 10 "${DATA[@]/#--/--data.}")
 fi
-step_machine
-i=0
-for point in "$@"; do
-    i=$((i + 1))
-    read -r -a words <<<"$point"
-    sweep=configs/sweeps/${words[0]}
-    name=$(sed -n 's/^name: *//p' "$sweep")
-    step "run$i" "$LIMIT" $PY -m macformer_lit sweep "$sweep" "${words[@]:1}" --point \
-        --runs_dir "$WORK/runs" --wandb_mode disabled ${FIT[@]+-- "${FIT[@]}"}
-    for run in "$WORK/runs/$name"/*/version_*; do
+collect() {  # each finished run's config.yaml and metrics.csv, at their results/ path; its
+    # checkpoints go (a running point's stay: it tests its best one at the end)
+    local run dest
+    for run in "$WORK/runs"/*/*/version_*; do
         [ -f "$run/metrics.csv" ] && grep -q "test/acc" "$run/metrics.csv" || continue
-        dest="$WORK/results/lra_listops/$name/${run#"$WORK/runs/$name/"}"
+        dest="$WORK/results/lra_listops/${run#"$WORK/runs/"}"
         mkdir -p "$dest" && cp "$run/config.yaml" "$run/metrics.csv" "$dest/"
+        find "$run" -name '*.ckpt' -delete
+        rm -rf "$run/wandb"
     done
-    find "$WORK/runs" -name '*.ckpt' -delete 2>/dev/null
-    rm -rf "$WORK/runs"/*/*/version_*/wandb
-    pack
-done
+}
+run_point() {  # run_point I "SWEEP --axis=label ...": one sweep point under LIMIT
+    local words
+    read -r -a words <<<"$2"
+    step "run$1" "$LIMIT" $PY -m macformer_lit sweep "configs/sweeps/${words[0]}" "${words[@]:1}" \
+        --point --runs_dir "$WORK/runs" --wandb_mode disabled ${FIT[@]+-- "${FIT[@]}"}
+}
+step_machine
+if [ "$PARALLEL" = 1 ]; then
+    # The data once, before the points start (each would otherwise generate its own copy).
+    step data 120 $PY -c "import sys; from macformer_lit.data.listops import ListOpsDataModule as D
+a = sys.argv[1:]; kw = {a[i].lstrip('-'): a[i + 1] for i in range(0, len(a), 2)}
+D(**{k: v if k == 'data_dir' else int(v) for k, v in kw.items()}).prepare_data()" "${DATA[@]}"
+    if [ "$SMOKE" != 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+        step mps 40 bash -c "nvidia-cuda-mps-control -d && timeout 25 $PY -c 'import torch
+print(\"MPS client ok:\", torch.ones(1, device=\"cuda\").sum().item())'" ||
+            { echo quit | nvidia-cuda-mps-control; echo "MPS off: the points time-share the GPU"; }
+    fi
+    i=0
+    for point in "$@"; do
+        i=$((i + 1))
+        { run_point "$i" "$point"; collect; pack; } &
+    done
+    wait
+else
+    i=0
+    for point in "$@"; do
+        i=$((i + 1))
+        run_point "$i" "$point"
+        collect
+        pack
+    done
+fi
+find "$WORK/runs" -name '*.ckpt' -delete 2>/dev/null  # those of points that ran out of time
+pack
 echo "=== done $(date +%T); outputs in $OUT/$PACK"
