@@ -370,6 +370,11 @@ class PPSBNAttention(AttentionBackend):
     def _post_sbn(self, out):
         return _PostSBN.apply(out, self.gamma, self.log_beta)
 
+    def _finish(self, out, ct):
+        """The core's output in the compute dtype ``ct``, post-SBN'd where that is on."""
+        out = out.to(ct)
+        return self._post_sbn(out) if self.post_sbn else out
+
     def forward(self, q, k, v, *, key_padding_mask=None, causal=False, query_padding_mask=None):
         check_inputs(
             q,
@@ -401,15 +406,13 @@ class PPSBNAttention(AttentionBackend):
                     self._core_then_post, q, k, v, key_padding_mask, causal, use_reentrant=False
                 )
             else:
-                out = self.inner(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
-                out = out.to(ct)
-                if self.post_sbn:
-                    out = self._post_sbn(out)
+                out = self._finish(
+                    self.inner(q, k, v, key_padding_mask=key_padding_mask, causal=causal), ct
+                )
         return out.to(dtype)
 
     def _core_then_post(self, q, k, v, key_padding_mask, causal):
-        out = self.inner.attend_now(q, k, v, key_padding_mask, causal)
-        return self._post_sbn(out.to(q.dtype))
+        return self._finish(self.inner.attend_now(q, k, v, key_padding_mask, causal), q.dtype)
 
     def step(self, q, k, v, state=None):
         dtype = q.dtype
@@ -419,5 +422,5 @@ class PPSBNAttention(AttentionBackend):
             if self.pre_sbn:
                 q, k = self._pre_sbn(q, k, None, None, running=True, update=False)
             out, state = self.inner.step(q, k, v, state)
-            out = self._post_sbn(out.to(ct)) if self.post_sbn else out.to(ct)
+            out = self._finish(out, ct)
         return out.to(dtype), state
