@@ -29,6 +29,39 @@ def colours_for(labels: list[str]) -> dict[str, str]:
     return {label: cycle[i % len(cycle)] for i, label in enumerate(labels)}
 
 
+def legend_below(fig, axes, *, ncol: int = 2) -> None:
+    """One legend for the whole figure, under its panels, so that no legend covers a curve:
+    every label once, in the order the panels first show it. The figure must have been made
+    with ``layout="constrained"``. Columns are dropped (down to one) until the legend fits the
+    figure's width, which grows if even one column does not; the figure grows by the legend's
+    height, so the panels keep theirs.
+    """
+    entries: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if not entries:
+        return
+    renderer = fig.canvas.get_renderer()
+    height = fig.get_figheight()
+    for cols in range(max(1, min(ncol, len(entries))), 0, -1):
+        legend = fig.legend(
+            list(entries.values()),
+            list(entries),
+            loc="outside lower center",
+            ncol=cols,
+            fontsize="small",
+            frameon=False,
+        )
+        box = legend.get_window_extent(renderer)
+        if box.width <= fig.bbox.width or cols == 1:
+            break
+        legend.remove()
+    if box.width > fig.bbox.width:
+        fig.set_figwidth(box.width / fig.dpi + 0.2)
+    fig.set_figheight(height + box.height / fig.dpi + 0.1)
+
+
 def mean_band(
     runs: list[Series], *, positive: bool = False
 ) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -55,7 +88,6 @@ def plot_bands(
     colours: dict[str, str],
     linestyles: dict[str, str] | None = None,
     log: bool = False,
-    label_suffix: str = "",
 ) -> None:
     """Per label of ``curves``: the mean of its runs as a line (legend: label and number of
     runs), the min–max over them as a band where it has more than one run."""
@@ -72,7 +104,7 @@ def plot_bands(
             linestyle=(linestyles or {}).get(label, "-"),
             marker="o",
             markersize=3,
-            label=f"{label}{label_suffix} (n={len(runs)})",
+            label=f"{label} (n={len(runs)})",
         )
         if len(runs) > 1:
             ax.fill_between(xs, lo, hi, color=colour, alpha=0.2, linewidth=0)

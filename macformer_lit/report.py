@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from macformer_lit.plotting import colours_for, plot_bands, pyplot
+from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
 
 TASK_NAMES = {
     "ListOpsDataModule": "ListOps",
@@ -638,24 +638,33 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def row_name(row: dict, tasks: int) -> str:
-    name = row["backend"] + (f" [{row['setting']}]" if row["setting"] else "")
+    """A row's name in the plots: its setting without the config paths' prefixes
+    (``data.tokenizer=official`` reads ``tokenizer=official``); the table keeps them whole."""
+    setting = re.sub(r"(?<![\w.])(?:model\.attention|model|data|trainer)\.", "", row["setting"])
+    name = row["backend"] + (f" [{setting}]" if setting else "")
     name += " (GPU)" if row["device"] == "GPU" else ""
     return f"{row['task']}: {name}" if tasks > 1 else name
 
 
 def plot_accuracy_time(rows: list[dict], path: Path) -> None:
+    """Test accuracy against training time relative to softmax, a point per row that has a
+    softmax row to be timed against, named in the legend under the plot."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for task in sorted({r["task"] for r in rows}):
-        pts = [r for r in rows if r["task"] == task and r["time_rel"]]
-        ax.scatter([r["time_rel"] for r in pts], [r["test_acc"] for r in pts], label=task)
-        for r in pts:
-            ax.annotate(row_name(r, 1), (r["time_rel"], r["test_acc"]), fontsize=7)
-    ax.set_xlabel("training time (× softmax, same settings)")
+    tasks = sorted({r["task"] for r in rows})
+    pts = [r for r in rows if r["time_rel"]]
+    names = [row_name(r, len(tasks)) for r in pts]
+    colours = colours_for(names)
+    markers = dict(zip(tasks, "osD^v<>p*h"))
+    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+    for r, name in zip(pts, names):
+        ax.scatter(
+            r["time_rel"], r["test_acc"], label=name, color=colours[name], marker=markers[r["task"]]
+        )
+    ax.set_xlabel("training time (× softmax, same settings and device)")
     ax.set_ylabel("test accuracy (%)")
-    ax.legend(fontsize=8)
+    ax.set_title("Test accuracy against training time")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    legend_below(fig, [ax], ncol=1)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -666,7 +675,9 @@ def plot_validation(rows: list[dict], groups: dict[tuple, list[Run]], path: Path
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     names = {r["_key"]: row_name(r, 1) for r in rows}
     colours = colours_for(list(names.values()))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(tasks), figsize=(7 * len(tasks), 4), squeeze=False, layout="constrained"
+    )
     for ax, task in zip(axes[0], tasks):
         curves = {
             names[r["_key"]]: [[(s, 100 * v) for s, v in run.val_acc] for run in groups[r["_key"]]]
@@ -678,8 +689,7 @@ def plot_validation(rows: list[dict], groups: dict[tuple, list[Run]], path: Path
         ax.set_xlabel("training step")
         ax.set_ylabel("validation accuracy (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    legend_below(fig, axes[0], ncol=1)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -701,26 +711,23 @@ def plot_telemetry(rows: list[dict], groups: dict[tuple, list[Run]], path: Path)
             for r in with_telemetry
         }
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), layout="constrained")
     plot_bands(axes[0], curves("nmse"), colours=colours, log=True)
     axes[0].set_title("NMSE against exact attention")
     plot_bands(axes[1], curves("nmse_uniform"), colours=colours, log=True)
     axes[1].set_title("NMSE of uniform attention against exact")
-    plot_bands(axes[2], curves("logit_max"), colours=colours, label_suffix=" max")
+    plot_bands(axes[2], curves("logit_max"), colours=colours)
     dashed = {name: "--" for name in names.values()}
-    plot_bands(
-        axes[2], curves("logit_min"), colours=colours, linestyles=dashed, label_suffix=" min"
-    )
+    plot_bands(axes[2], curves("logit_min"), colours=colours, linestyles=dashed)
     axes[2].set_title("logit range q·k/√d (max solid, min dashed)")
     for ax in axes:
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle(
         "Attention telemetry, mean over layers (logits: min/max over layers); "
         "mean over seeds, min–max band"
     )
-    fig.tight_layout()
+    legend_below(fig, axes[:1], ncol=2)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

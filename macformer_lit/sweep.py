@@ -62,7 +62,7 @@ from typing import Any
 
 import yaml
 
-from macformer_lit.plotting import colours_for, plot_bands, pyplot
+from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
 from macformer_lit.preflight import UsageError, check_config_file
 from macformer_lit.runs import newest_version
 
@@ -468,7 +468,9 @@ def plot_curves(
         method_of(spec, p): "--" if style_axis not in over and p[style_axis] in dashed else "-"
         for p in points
     }
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False, layout="constrained"
+    )
     for ax, key in zip(axes[0], metrics):
         plot_bands(
             ax, method_curves(spec, points, statuses, key), colours=colours, linestyles=styles
@@ -481,19 +483,13 @@ def plot_curves(
         # Early perplexities dwarf the late ones: a log axis keeps both readable.
         if key.endswith("ppl") and values and min(values) > 0 and max(values) > 10 * min(values):
             ax.set_yscale("log")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes[0][1:]:
-        if not handles:
-            handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
+    legend_below(fig, axes[0], ncol=4)
     title = spec["name"]
     if over:
         title += f": mean over {', '.join(over)} (line), min–max (band)"
     if dashed and style_axis not in over:
         title += f"; {style_axis} {', '.join(sorted(dashed))} dashed"
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(labels) - 1) // 4) if handles else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

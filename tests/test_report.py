@@ -9,8 +9,8 @@ import statistics
 import pytest
 
 from macformer_lit import cli
-from macformer_lit.plotting import colours_for, plot_bands, pyplot
-from macformer_lit.report import backend_label, main
+from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
+from macformer_lit.report import backend_label, main, row_name
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -243,6 +243,40 @@ def test_bands_draw_the_mean_and_the_min_max_over_runs():
     ys = band.get_paths()[0].vertices[:, 1]
     assert min(ys) == 1.0 and max(ys) == 5.0
     plt.close(fig)
+
+
+def test_the_legend_sits_under_the_panels_with_each_label_once():
+    """Legends inside the panels covered the curves once rows had long settings: one legend
+    for the figure goes under every panel, and the figure grows by its height."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3), layout="constrained")
+    curves = {f"setting {i} " + "x" * 60: [[(0, 1.0 * i), (1, 2.0 * i)]] for i in range(8)}
+    colours = colours_for(list(curves))
+    for ax in axes:
+        plot_bands(ax, curves, colours=colours)
+    legend_below(fig, axes, ncol=2)
+    assert fig.get_figheight() > 3
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [f"{k} (n=1)" for k in curves]
+    renderer = fig.canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    for ax in axes:
+        assert ax.get_legend() is None
+        assert box.y1 <= ax.get_tightbbox(renderer).y0 + 1  # under the panel and its labels
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.x1  # inside the figure
+    plt.close(fig)
+
+
+def test_plot_names_drop_the_config_paths_prefixes():
+    row = {
+        "task": "ListOps",
+        "backend": "rmfa[exp]+ppSBN",
+        "setting": "data.tokenizer=official, model.attention.measure=h01",
+        "device": "GPU",
+    }
+    assert row_name(row, 1) == "rmfa[exp]+ppSBN [tokenizer=official, measure=h01] (GPU)"
+    assert row_name(dict(row, setting="", device="CPU"), 2) == "ListOps: rmfa[exp]+ppSBN"
 
 
 def test_report_without_runs_is_a_clear_error(tmp_path):
