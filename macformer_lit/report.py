@@ -638,9 +638,10 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def row_name(row: dict, tasks: int) -> str:
-    """A row's name in the plots: its setting without the config paths' prefixes
-    (``data.tokenizer=official`` reads ``tokenizer=official``); the table keeps them whole."""
-    setting = re.sub(r"(?<![\w.])(?:model\.attention|model|data|trainer)\.", "", row["setting"])
+    """A row's name in the plots: its setting with ``model.attention.`` shortened to
+    ``attention.`` (no other top-level key is called that, so no two names can meet); the
+    table keeps the paths whole."""
+    setting = re.sub(r"(?<![\w.])model\.attention\.", "attention.", row["setting"])
     name = row["backend"] + (f" [{setting}]" if setting else "")
     name += " (GPU)" if row["device"] == "GPU" else ""
     return f"{row['task']}: {name}" if tasks > 1 else name

@@ -268,14 +268,16 @@ def test_the_legend_sits_under_the_panels_with_each_label_once():
     plt.close(fig)
 
 
-def test_plot_names_drop_the_config_paths_prefixes():
+def test_plot_names_shorten_the_attention_options_only():
     row = {
         "task": "ListOps",
         "backend": "rmfa[exp]+ppSBN",
-        "setting": "data.tokenizer=official, model.attention.measure=h01",
+        "setting": "data.tokenizer=official, model.attention.dropout=0.1, model.dropout=0.1",
         "device": "GPU",
     }
-    assert row_name(row, 1) == "rmfa[exp]+ppSBN [tokenizer=official, measure=h01] (GPU)"
+    assert row_name(row, 1) == (
+        "rmfa[exp]+ppSBN [data.tokenizer=official, attention.dropout=0.1, model.dropout=0.1] (GPU)"
+    )
     assert row_name(dict(row, setting="", device="CPU"), 2) == "ListOps: rmfa[exp]+ppSBN"
 
 
