@@ -63,9 +63,13 @@ if [ "$PARALLEL" = 1 ]; then
 a = sys.argv[1:]; kw = {a[i].lstrip('-'): a[i + 1] for i in range(0, len(a), 2)}
 D(**{k: v if k == 'data_dir' else int(v) for k, v in kw.items()}).prepare_data()" "${DATA[@]}"
     if [ "$SMOKE" != 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+        MPS=1
         step mps 40 bash -c "nvidia-cuda-mps-control -d && timeout 25 $PY -c 'import torch
-print(\"MPS client ok:\", torch.ones(1, device=\"cuda\").sum().item())'" ||
-            { echo quit | nvidia-cuda-mps-control; echo "MPS off: the points time-share the GPU"; }
+print(\"MPS client ok:\", torch.ones(1, device=\"cuda\").sum().item())'" || {
+            echo quit | nvidia-cuda-mps-control
+            MPS=0
+            echo "MPS off: the points time-share the GPU"
+        }
     fi
     i=0
     for point in "$@"; do
@@ -73,6 +77,9 @@ print(\"MPS client ok:\", torch.ones(1, device=\"cuda\").sum().item())'" ||
         { run_point "$i" "$point"; collect; pack; } &
     done
     wait
+    # The MPS daemon would outlive this script (seen on a lent H100: still running in the next
+    # call on the warm machine), and every later CUDA program there would go through it.
+    [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
 else
     i=0
     for point in "$@"; do
