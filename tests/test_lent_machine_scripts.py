@@ -26,6 +26,8 @@ def test_gpu_paper_runs_packs_each_finished_run_as_results(tmp_path, parallel):
         SMOKE="1",
         PARALLEL=parallel,
         PYTHON=sys.executable,
+        # The per-point limit is for a lease; here a loaded machine may need longer.
+        LIMIT="1500",
     )
     done = subprocess.run(
         [
@@ -38,7 +40,7 @@ def test_gpu_paper_runs_packs_each_finished_run_as_results(tmp_path, parallel):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     with tarfile.open(tmp_path / "out" / "paper_runs.tgz") as tar:
