@@ -43,7 +43,6 @@ def legend_below(fig, axes, *, ncol: int = 2) -> None:
     if not entries:
         return
     renderer = fig.canvas.get_renderer()
-    height = fig.get_figheight()
     for cols in range(max(1, min(ncol, len(entries))), 0, -1):
         legend = fig.legend(
             list(entries.values()),
@@ -59,7 +58,7 @@ def legend_below(fig, axes, *, ncol: int = 2) -> None:
         legend.remove()
     if box.width > fig.bbox.width:
         fig.set_figwidth(box.width / fig.dpi + 0.2)
-    fig.set_figheight(height + box.height / fig.dpi + 0.1)
+    fig.set_figheight(fig.get_figheight() + box.height / fig.dpi + 0.1)
 
 
 def mean_band(
