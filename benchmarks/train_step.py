@@ -102,7 +102,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from macformer_lit.attention import attention_cores
+from macformer_lit.attention import attention_cores, pieces
 from macformer_lit.attention.feature_attention import FeatureAttention
 from macformer_lit.attention.spec import sbn_options
 from macformer_lit.models.classifier import pool
@@ -694,6 +694,8 @@ def run(args) -> dict:
         raise SystemExit(f"unknown preset(s) {sorted(unknown)}; have {list(PRESETS)}")
     compiling = any(p.startswith("compile") for p in paths)
     with contextlib.ExitStack() as stack:
+        if args.whole_batch:
+            stack.enter_context(pieces.whole_batch())
         if compiling:
             import torch._dynamo.config as dynamo_config
             import torch._inductor.config as inductor_config
@@ -1231,6 +1233,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     p.add_argument(
+        "--whole-batch",
+        action="store_true",
+        help="run the CPU's batch-piece passes (Maclaurin map, ppSBN) over the whole batch, "
+        "as on a GPU: what a GPU step keeps, measured on the CPU",
+    )
+    p.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -1295,6 +1303,10 @@ def main(argv=None) -> None:
         "padding": "none (all-True padding mask)"
         if args.length_fraction == 1.0
         else f"real lengths uniform in [{args.length_fraction}·N, N]",
+        "batch pieces": "off (--whole-batch: every pass over the whole batch, as on a GPU)"
+        if args.whole_batch
+        else "the package's default (on a CPU the Maclaurin map and ppSBN run in batch pieces "
+        f"of {pieces.PIECE_BYTES >> 20} MiB)",
         "command": " ".join(["python -m benchmarks.train_step", *argv_used]),
     }
     progress("\n".join(f"{k}: {v}" for k, v in {**info, **extra}.items()))

@@ -157,3 +157,36 @@ def test_profile_lists_the_ops_and_group_shares_of_each_case(tmp_path):
     assert md.count("of cpu self time; GEMM ") == 2
     train_step.main(["--render", str(out / "prof.json"), "--out", str(tmp_path), "--name", "prof"])
     assert (tmp_path / "prof.md").read_text() == md
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole-batch"])
+def test_whole_batch_runs_the_cpu_step_as_a_gpu_runs_it(tmp_path, monkeypatch, whole):
+    """--whole-batch: the Maclaurin map and ppSBN run over the whole batch, as off the CPU
+    (what a GPU step keeps, measured here); the header says which; the switch is off again
+    after the run. Without it, the same run cuts the batch into pieces (some passes)."""
+    from macformer_lit.attention import features, pieces, ppsbn
+
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 1)  # one batch entry a piece, where pieces run
+    seen = []
+
+    def spy(t, bytes_per_entry=None):
+        got = pieces.batch_slices(t, bytes_per_entry)
+        seen.append(len(got))
+        return got
+
+    monkeypatch.setattr(features, "batch_slices", spy)
+    monkeypatch.setattr(ppsbn, "batch_slices", spy)
+    out = tmp_path / "run"
+    train_step.main(
+        [
+            "--presets", "listops", "--backends", "macformer", "--paths", "eager",
+            "--rounds", "1", "--warmup", "0", "--max-len", "32", "--batch", str(B),
+            "--threads", "1", "--gemm-n", "64", "--gemm-calls", "1", "--no-memory",
+            "--out", str(out), "--name", "wb", *(["--whole-batch"] if whole else []),
+        ]
+    )  # fmt: skip
+    assert seen, "the Macformer step never asked for batch pieces"
+    assert (set(seen) == {1}) if whole else (B in seen)
+    assert not pieces._whole
+    run = json.loads((out / "wb.json").read_text())["run"]
+    assert run["batch pieces"].startswith("off (--whole-batch" if whole else "the package's")

@@ -10,11 +10,29 @@ used) for the Maclaurin map (features.py) and ppSBN (ppsbn.py).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 # Bytes of one piece's largest temporary. A few MB: on the heap (below glibc's mmap
 # threshold) and within a CPU's last-level cache.
 PIECE_BYTES = 4 << 20
+
+_whole = False
+
+
+@contextlib.contextmanager
+def whole_batch() -> Iterator[None]:
+    """Inside, every pass runs over the whole batch, as it does off the CPU: what a GPU
+    keeps, measured on a CPU (``benchmarks/train_step.py --whole-batch``). Results are the
+    same bits either way; only time and memory change."""
+    global _whole
+    before, _whole = _whole, True
+    try:
+        yield
+    finally:
+        _whole = before
 
 
 def batch_slices(t: torch.Tensor, bytes_per_entry: int | None = None) -> list[slice]:
@@ -23,9 +41,9 @@ def batch_slices(t: torch.Tensor, bytes_per_entry: int | None = None) -> list[sl
     entry of ``t``). One ``slice(None)`` when pieces would not help: off the CPU (a GPU's
     caching allocator has no page faults to save, and every piece costs kernel launches),
     under torch.compile (the compiler fuses the passes itself; ``out=`` into slices would
-    break the graph), or when the whole fits in one piece."""
+    break the graph), inside ``whole_batch()``, or when the whole fits in one piece."""
     whole = [slice(None)]
-    if t.device.type != "cpu" or t.dim() < 2 or torch.compiler.is_compiling():
+    if _whole or t.device.type != "cpu" or t.dim() < 2 or torch.compiler.is_compiling():
         return whole
     n = t.shape[0]
     if bytes_per_entry is None:

@@ -158,3 +158,17 @@ def test_orthogonal_gaussian_rows():
 def test_feature_seed_is_deterministic_and_distinct():
     seeds = {feature_seed(0, layer, index) for layer in range(4) for index in range(50)}
     assert len(seeds) == 200 and feature_seed(1, 2, 3) == feature_seed(1, 2, 3)
+
+
+def test_whole_batch_switch_runs_the_map_in_one_piece_on_the_cpu(monkeypatch):
+    """``pieces.whole_batch()`` makes the CPU run every pass as a GPU does (one piece), and
+    restores the pieces when it ends, also after an error."""
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 1)
+    x, w = torch.zeros(5, 2, 7, 8), torch.zeros(5, 2, 3, 8)
+    with pieces.whole_batch():
+        assert len(features._pieces(x, w, None, 4, 3)) == 1
+        assert pieces.batch_slices(x) == [slice(None)]
+    assert len(features._pieces(x, w, None, 4, 3)) == 5
+    with pytest.raises(RuntimeError), pieces.whole_batch():
+        raise RuntimeError("inside")
+    assert len(pieces.batch_slices(x)) == 5
