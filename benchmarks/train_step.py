@@ -595,6 +595,14 @@ def profile_step(case: Case, device: str, top: int) -> dict:
         case()
         sync(device)
     ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    # ATen calls made from outside ATen (an op's own inner calls not counted): how many
+    # operations the step dispatches, each a kernel launch or more on a GPU.
+    calls = sum(
+        1
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+    )
     attr = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     total = sum(getattr(e, attr) for e in ops) or 1.0
     ops.sort(key=lambda e: -getattr(e, attr))
@@ -605,6 +613,7 @@ def profile_step(case: Case, device: str, top: int) -> dict:
     return {
         "clock": "device" if device.startswith("cuda") else "cpu",
         "total_ms": total / 1e3,
+        "aten_calls": calls,
         "shares": shares,
         "top": [[e.key, getattr(e, attr) / 1e3, e.count] for e in ops[:top]],
     }
@@ -1082,10 +1091,12 @@ def write_outputs(res: dict, out: Path, stem: str) -> None:
                 prof = r["profile"]
                 shares = ", ".join(f"{g} {100 * v:.0f} %" for g, v in prof["shares"].items())
                 tops = "; ".join(f"`{k}` {ms:.1f} ms ×{n}" for k, ms, n in prof["top"])
+                calls = prof.get("aten_calls")  # absent from runs before it was counted
+                calls = "" if calls is None else f"; {calls:,} top-level ATen calls"
                 md.append(
                     f"- {labels.get(r['backend'], r['backend'])}, {r['path']}: "
-                    f"{prof['total_ms']:.0f} ms of {prof['clock']} self time; {shares}. "
-                    f"Top: {tops}"
+                    f"{prof['total_ms']:.0f} ms of {prof['clock']} self time; {shares}"
+                    f"{calls}. Top: {tops}"
                 )
             md.append("")
     md.append("## Backends\n")

@@ -153,8 +153,12 @@ def test_profile_lists_the_ops_and_group_shares_of_each_case(tmp_path):
     assert all(len(p["top"]) == 3 and p["total_ms"] > 0 for p in prof.values())
     assert prof["softmax"]["shares"]["SDPA"] > 0 and prof["rmfa_nosbn"]["shares"]["SDPA"] == 0
     assert prof["rmfa_nosbn"]["shares"]["GEMM"] > 0
+    # ATen calls from outside ATen: RMFA's step (map, products, division) makes more of
+    # them than softmax's, whose attention is one fused SDPA call each way.
+    assert 0 < prof["softmax"]["aten_calls"] < prof["rmfa_nosbn"]["aten_calls"]
     md = (out / "prof.md").read_text()
     assert md.count("of cpu self time; GEMM ") == 2
+    assert md.count(" top-level ATen calls. Top: ") == 2
     train_step.main(["--render", str(out / "prof.json"), "--out", str(tmp_path), "--name", "prof"])
     assert (tmp_path / "prof.md").read_text() == md
 
