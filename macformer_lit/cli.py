@@ -263,6 +263,23 @@ def attention_arguments(class_path: str | None) -> list[str]:
     return [key for key, hint in hints.items() if hint == AttentionSpec]
 
 
+# A model's role-specific attention arguments; ``attention`` fills every role it lacks.
+ROLE_ARGUMENTS = {
+    "encoder_attention": "encoder",
+    "decoder_attention": "decoder",
+    "cross_attention": "cross",
+}
+
+
+def attention_roles(key: str, keys: list[str], init) -> tuple[str, ...]:
+    """Where the model builds the attention argument ``key``: its own role, or (for a
+    shared ``attention``) the encoder's and each role whose own argument is not set."""
+    if key in ROLE_ARGUMENTS:
+        return (ROLE_ARGUMENTS[key],)
+    roles = [r for k, r in ROLE_ARGUMENTS.items() if k in keys and not init.get(k)]
+    return tuple(roles) if roles else ("encoder",)
+
+
 class _HelpFormatter(DefaultHelpFormatter):
     """Descriptions and epilogs keep their lines (each wrapped on its own, continuation
     lines indented): the epilog lists one backend a line."""
@@ -472,7 +489,9 @@ class MacformerCLI(LightningCLI):
             raise ValueError(
                 f"model.init_args.d_model={d_model} is not divisible by num_heads={num_heads}"
             )
-        for key in attention_arguments(model.get("class_path")):
+        keys = attention_arguments(model.get("class_path"))
+        layers = init.get("num_layers", init.get("num_encoder_layers"))
+        for key in keys:
             spec = init.get(key)
             spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
             check_attention_spec(
@@ -480,6 +499,8 @@ class MacformerCLI(LightningCLI):
                 head_dim=d_model // num_heads,
                 num_heads=num_heads,
                 where=f"model.init_args.{key}",
+                roles=attention_roles(key, keys, init),
+                num_layers=layers if isinstance(layers, int) else None,
             )
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:

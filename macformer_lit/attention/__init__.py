@@ -19,9 +19,11 @@ from .kernelized import KernelizedAttention
 from .kernels import KERNELS, Kernel, get_kernel, register_kernel
 from .linear import LinearAttention
 from .ppsbn import PPSBNAttention
+from .prefix import PREFIXES, PrefixAttention, resolve_prefix
 from .rmfa import RMFAttention
 from .softmax import SoftmaxAttention
-from .spec import AttentionSpec, backend_options, parse_spec
+from .spec import ROLES, AttentionSpec, backend_options, parse_spec
+from .uniform import UniformAttention
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "softmax": SoftmaxAttention,
@@ -29,6 +31,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "rmfa": RMFAttention,
     "favor": FavorAttention,
     "linear": LinearAttention,
+    "uniform": UniformAttention,
 }
 
 
@@ -38,6 +41,8 @@ def build_attention(
     head_dim: int,
     num_heads: int,
     causal_queries: bool = False,
+    role: str = "encoder",
+    layer: int | None = None,
     **options: Any,
 ) -> nn.Module:
     """Build the backend a spec names for heads of size ``head_dim``.
@@ -51,14 +56,28 @@ def build_attention(
     either switch is on). With pre-SBN, a backend that takes ``bounded_inputs`` gets True.
     ``causal_queries`` is the model's to set: queries causal although the call is not
     (decoder cross-attention), which ppSBN's ``sbn_train_stats: auto`` then respects.
+    ``role`` (``encoder``, ``decoder`` or ``cross``) and ``layer`` (the encoder layer) are
+    the model's too: ``prefix`` (prefix sums in an encoder, ``PrefixAttention``, inside
+    ppSBN) acts in an encoder's self-attention only, one value or one per layer.
     """
     if head_dim < 1 or num_heads < 1:
         raise ValueError(f"head_dim and num_heads must be >= 1; got {head_dim}, {num_heads}")
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
     parsed = parse_spec(spec, check_types=False, **options)
     cls, options = BACKENDS[parsed.name], dict(parsed.options)
     if parsed.sbn["pre_sbn"] and "bounded_inputs" in backend_options(parsed.name):
         options.setdefault("bounded_inputs", True)
+    if parsed.prefix not in ("none", None) and role != "encoder":
+        raise ValueError(
+            f"prefix acts in an encoder's self-attention only, not in {role} attention (a "
+            "decoder is causal already; cross-attention has no order between queries and "
+            "keys): put it in encoder_attention"
+        )
+    direction = resolve_prefix(parsed.prefix, layer) if role == "encoder" else "none"
     backend = cls(head_dim=head_dim, num_heads=num_heads, **options)
+    if direction != "none":
+        backend = PrefixAttention(backend, num_heads=num_heads, prefix=parsed.prefix, layer=layer)
     if not parsed.wrapped:
         return backend
     return PPSBNAttention(
@@ -93,6 +112,9 @@ __all__ = [
     "AttentionBackend",
     "Kernel",
     "PPSBNAttention",
+    "PREFIXES",
+    "PrefixAttention",
+    "ROLES",
     "attention_cores",
     "build_attention",
     "check_inputs",

@@ -27,6 +27,7 @@ from .features import feature_seed
 
 Denominator = Literal["fallback", "clamp", "abs", "none"]
 DENOMINATOR_POLICIES: tuple[str, ...] = get_args(Denominator)
+DenominatorFloor = Literal["per_key", "absolute"]
 
 
 def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
@@ -161,6 +162,7 @@ class FeatureAttention(AttentionBackend):
         num_heads: int,
         denominator: Denominator = "fallback",
         denominator_eps: float = 1e-3,
+        denominator_floor: DenominatorFloor = "per_key",
         chunk_size: int = 64,
         recompute: bool = False,
     ) -> None:
@@ -171,6 +173,8 @@ class FeatureAttention(AttentionBackend):
         Args:
             denominator: what rows with a denominator ≤ eps·n get (``DENOMINATOR_POLICIES``).
             denominator_eps: that threshold, relative to the number of visible keys n.
+            denominator_floor: ``per_key``: the threshold is eps·n; ``absolute``: eps (the
+                SchoenbAt release clamps its denominator at 1).
             chunk_size: positions per block of the causal prefix sums.
             recompute: keep only q, k, v for the backward pass and recompute the features.
         """
@@ -180,10 +184,15 @@ class FeatureAttention(AttentionBackend):
             raise ValueError(f"unknown denominator policy {denominator!r}; valid: {valid}")
         if not denominator_eps >= 0.0:
             raise ValueError(f"denominator_eps must be >= 0; got {denominator_eps}")
+        if denominator_floor not in get_args(DenominatorFloor):
+            raise ValueError(
+                f"denominator_floor must be per_key or absolute; got {denominator_floor!r}"
+            )
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
         self.head_dim, self.num_heads = head_dim, num_heads
         self.denominator, self.denominator_eps = denominator, denominator_eps
+        self.denominator_floor = denominator_floor
         self.chunk_size = chunk_size
         self.recompute = recompute
         if self.random_features:
@@ -356,7 +365,8 @@ class FeatureAttention(AttentionBackend):
         tiny = torch.finfo(den.dtype).tiny ** 0.5
         if self.signed_features:
             # A true denominator is about a₀·n after pre-SBN; below eps·n the estimate is noise.
-            threshold = self.denominator_eps * torch.as_tensor(count, dtype=den.dtype)
+            n = 1.0 if self.denominator_floor == "absolute" else count
+            threshold = self.denominator_eps * torch.as_tensor(n, dtype=den.dtype)
             if den_scale is not None:
                 threshold = threshold * den_scale.reshape(*den_scale.shape[:2], 1, 1)
             threshold = threshold.clamp_min(tiny)

@@ -7,11 +7,14 @@ is the SchoenbAt release's per-row standardisation instead. In causal attention 
 statistics would let position i see positions > i, so there training uses the running
 estimates too (``sbn_train_stats: auto``); so does decoder cross-attention, whose queries
 are causal although the call is not (the model builds it with ``causal_queries=True``).
-An optional learnable temperature τ ∈ [1/τ_max, τ_max] (τ = 1 at init) scales q after the
-L2 step: sharper attention at the price of a larger kernel argument.
+An optional learnable temperature τ ∈ [1/τ_max, τ_max] (``temperature_init`` at init) scales
+q after the L2 step: sharper attention at the price of a larger kernel argument. Its
+parameter has its own learning rate (``temperature_lr``), so that log τ can cross its range
+in hundreds of steps whatever the model's rate (docs/maths.md §10).
 Post-SBN: out ← sign(γ·out)·|γ·out|^β, γ and β per (head, channel), β = exp(·) > 0, both 1 at
-init (identity). The SchoenbAt release's PostSBN reads ``out`` before assigning it; not here.
-All of it runs in fp32.
+init (identity); ``post_sbn_power: false`` keeps γ·out only, and ``post_sbn_gamma: shared``
+one γ for all heads, as the SchoenbAt release has it (docs/release.md). The release's
+PostSBN reads ``out`` before assigning it; not here. All of it runs in fp32.
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ class _PostSBN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         out, log_abs, gamma, log_beta = ctx.saved_tensors
+        shared = gamma.shape[0] == 1  # one γ and β for all heads
         beta = log_beta.exp()
         slices = batch_slices(out) if out.dim() == 4 else [slice(None)]
         # ∂r/∂y = β|y|^(β−1); ∂r/∂β = r·log|y| = γ·out·|y|^(β−1)·log|y|; ∂/∂log β = β·∂/∂β.
@@ -195,6 +199,8 @@ class _PostSBN(torch.autograd.Function):
 
         g_gamma = total(t_parts) * beta
         g_log_beta = total(tl_parts) * (beta * gamma)
+        if shared:
+            g_gamma, g_log_beta = g_gamma.sum(0, keepdim=True), g_log_beta.sum(0, keepdim=True)
         return g_out, g_gamma, g_log_beta
 
 
@@ -219,8 +225,23 @@ class PPSBNAttention(AttentionBackend):
         sbn_stats: Literal["batch", "row"] = "batch",
         sbn_train_stats: Literal["auto", "batch", "running"] = "auto",
         temperature_max: float | None = None,
+        temperature_init: float = 1.0,
+        temperature_lr: float | None = 0.01,
+        post_sbn_power: bool = True,
+        post_sbn_gamma: Literal["head", "shared"] = "head",
         causal_queries: bool = False,
     ) -> None:
+        """
+        Args:
+            pre_sbn, post_sbn: the two halves' switches.
+            sbn_eps, sbn_momentum, sbn_stats, sbn_train_stats: pre-SBN's standardisation.
+            temperature_max: bound of the learnable temperature (None: no temperature).
+            temperature_init: τ at init, inside (1/temperature_max, temperature_max).
+            temperature_lr: learning rate of the temperature's parameter (scheduled like
+                the model's); None: the model's own.
+            post_sbn_power: the power β of post-SBN (false: γ·out only, as released).
+            post_sbn_gamma: ``head``: γ (and β) per head and channel; ``shared``: per channel.
+        """
         super().__init__()
         if sbn_stats not in ("batch", "row"):
             raise ValueError(f"sbn_stats must be 'batch' or 'row'; got {sbn_stats!r}")
@@ -243,19 +264,41 @@ class PPSBNAttention(AttentionBackend):
                     f"kernel {kernel.name!r} needs |q·k|/√d < 1, i.e. temperature_max < "
                     f"√head_dim = {math.sqrt(head_dim):.3g}; got {temperature_max}"
                 )
+            if not 1.0 / temperature_max < temperature_init < temperature_max:
+                raise ValueError(
+                    f"temperature_init must lie strictly between 1/temperature_max and "
+                    f"temperature_max = {temperature_max}; got {temperature_init}"
+                )
+            if temperature_lr is not None and not temperature_lr > 0:
+                raise ValueError(f"temperature_lr must be > 0 (or null); got {temperature_lr}")
+        elif temperature_init != 1.0 or temperature_lr != 0.01:
+            raise ValueError(
+                "temperature_init and temperature_lr act on the temperature: set temperature_max"
+            )
+        if post_sbn_gamma not in ("head", "shared"):
+            raise ValueError(f"post_sbn_gamma must be 'head' or 'shared'; got {post_sbn_gamma!r}")
         self.inner, self.pre_sbn, self.post_sbn = inner, pre_sbn, post_sbn
         self.sbn_eps, self.sbn_momentum = sbn_eps, sbn_momentum
         self.sbn_stats, self.sbn_train_stats = sbn_stats, sbn_train_stats
         self.temperature_max, self.causal_queries = temperature_max, causal_queries
+        self.post_sbn_power, self.post_sbn_gamma = post_sbn_power, post_sbn_gamma
         self.target_kernel = inner.target_kernel
         if pre_sbn and sbn_stats == "batch":
             self.register_buffer("running_mean", torch.zeros(2, num_heads, head_dim))
             self.register_buffer("running_var", torch.ones(2, num_heads, head_dim))
         if temperature_max is not None:
-            self.temperature_logit = nn.Parameter(torch.zeros(num_heads, 1, 1))
+            # θ with log τ = b·tanh(θ/b): θ0 = b·atanh(log τ0 / b) gives τ0.
+            bound = math.log(temperature_max)
+            theta0 = bound * math.atanh(math.log(temperature_init) / bound)
+            self.temperature_logit = nn.Parameter(torch.full((num_heads, 1, 1), theta0))
+            if temperature_lr is not None:
+                # Read by the optimiser (tasks/optim.py), as S4 and Mamba mark parameters.
+                self.temperature_logit._optim = {"lr": temperature_lr, "weight_decay": 0.0}
         if post_sbn:
-            self.gamma = nn.Parameter(torch.ones(num_heads, 1, head_dim))
-            self.log_beta = nn.Parameter(torch.zeros(num_heads, 1, head_dim))
+            heads = 1 if post_sbn_gamma == "shared" else num_heads
+            self.gamma = nn.Parameter(torch.ones(heads, 1, head_dim))
+            if post_sbn_power:
+                self.log_beta = nn.Parameter(torch.zeros(heads, 1, head_dim))
 
     @property
     def pre(self) -> bool:
@@ -368,6 +411,8 @@ class PPSBNAttention(AttentionBackend):
         return q, k
 
     def _post_sbn(self, out):
+        if not self.post_sbn_power:
+            return self.gamma * out
         return _PostSBN.apply(out, self.gamma, self.log_beta)
 
     def _finish(self, out, ct):

@@ -77,6 +77,8 @@ def feature_attention(module, phi_q, phi_k, v, key_padding_mask, causal):
     num, den = scores @ v.double(), scores.sum(-1, keepdim=True)
     count = keep.sum(-1, keepdim=True).double()
     eps = module.denominator_eps if module.signed_features else 0.0
+    if module.denominator_floor == "absolute":
+        count = torch.ones_like(count)
     threshold = (eps * count).clamp_min(torch.finfo(torch.float64).tiny ** 0.5)
     bad = ~(den > threshold)
     policy = module.denominator
@@ -138,7 +140,10 @@ def reference_forward(
     running estimates the reference may read.
     """
     from .ppsbn import PPSBNAttention
+    from .prefix import PrefixAttention
 
+    if isinstance(module, PrefixAttention):  # its reference unwraps the core
+        return module.reference(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
     if not isinstance(module, PPSBNAttention):
         return module.reference(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
     if module.pre_sbn:
@@ -150,5 +155,7 @@ def reference_forward(
     )
     if module.post_sbn:
         y = module.gamma.double() * out
-        out = torch.sign(y) * y.abs().pow(module.log_beta.double().exp())
+        if module.post_sbn_power:
+            y = torch.sign(y) * y.abs().pow(module.log_beta.double().exp())
+        out = y
     return out

@@ -27,19 +27,24 @@ import torch
 AttentionSpec = dict[str, Any] | str | None
 
 # Constructor arguments the model supplies, never a spec: the wrapped backend, the head
-# shape, and whether the queries are causal although the call is not.
-MODEL_SUPPLIED = ("self", "inner", "head_dim", "num_heads", "causal_queries")
-# The wrapper's switches; its other options act inside pre-SBN.
+# shape, whether the queries are causal although the call is not, and the encoder layer.
+MODEL_SUPPLIED = ("self", "inner", "head_dim", "num_heads", "causal_queries", "layer")
+# The wrapper's switches; its other options act inside pre-SBN (or post-SBN, below).
 SBN_SWITCHES = ("pre_sbn", "post_sbn")
+POST_OPTIONS = ("post_sbn_power", "post_sbn_gamma")
+# Where the model builds an attention: the role decides which options make sense.
+ROLES = ("encoder", "decoder", "cross")
 
 
 @dataclass(frozen=True)
 class ParsedSpec:
-    """A checked spec: the backend, its options, and the ppSBN wrapper's (empty if none)."""
+    """A checked spec: the backend, its options, the ppSBN wrapper's (empty if none), and the
+    encoder's ``prefix`` (``none``, a direction, or one per layer)."""
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
     sbn: dict[str, Any] = field(default_factory=dict)
+    prefix: Any = "none"
 
     @property
     def wrapped(self) -> bool:
@@ -93,8 +98,17 @@ def sbn_options() -> dict[str, inspect.Parameter]:
     return _parameters(PPSBNAttention)
 
 
+def prefix_options() -> dict[str, inspect.Parameter]:
+    """The prefix wrapper's option (``prefix``)."""
+    from .prefix import PrefixAttention
+
+    return _parameters(PrefixAttention)
+
+
 def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
+    if origin is list:
+        return "a list of (" + " or ".join(_describe(a) for a in typing.get_args(hint)) + ")"
     if origin is Literal:
         return "one of: " + ", ".join(repr(a) for a in typing.get_args(hint))
     if origin in (Union, types.UnionType):
@@ -106,6 +120,9 @@ def _describe(hint: Any) -> str:
 
 def _fits(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
     if origin is Literal:
         return value in typing.get_args(hint)
     if origin in (Union, types.UnionType):
@@ -138,6 +155,7 @@ def parse_spec(
     constructors' own checks; the CLI checks them here, against the annotations."""
     from . import BACKENDS
     from .ppsbn import PPSBNAttention
+    from .prefix import PrefixAttention
 
     spec = dict(as_spec(spec) or {"name": "softmax"})
     spec.update(options)
@@ -151,27 +169,35 @@ def parse_spec(
         raise ValueError(
             f"unknown attention backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))}"
         )
-    accepted, wrapper = backend_options(name), sbn_options()
-    unknown = sorted(set(spec) - set(accepted) - set(wrapper))
+    accepted, wrapper, around = backend_options(name), sbn_options(), prefix_options()
+    unknown = sorted(set(spec) - set(accepted) - set(wrapper) - set(around))
     if unknown:
         raise ValueError(
             f"attention backend {name!r} has no option(s) {', '.join(unknown)}; its options are: "
-            f"{', '.join(sorted(set(accepted) | set(wrapper)))}"
+            f"{', '.join(sorted(set(accepted) | set(wrapper) | set(around)))}"
         )
-    hints = {**_hints(PPSBNAttention), **_hints(BACKENDS[name])} if check_types else {}
+    hints = (
+        {**_hints(PrefixAttention), **_hints(PPSBNAttention), **_hints(BACKENDS[name])}
+        if check_types
+        else {}
+    )
     for key, value in spec.items():
         hint = hints.get(key)
         if hint is not None and not _fits(value, hint):
             raise ValueError(
                 f"option {key}={value!r} of attention backend {name!r} must be {_describe(hint)}"
             )
+    prefix = spec.pop("prefix", "none") if "prefix" not in accepted else "none"
     sbn = {key: spec.pop(key) for key in list(spec) if key in wrapper and key not in accepted}
-    inside = [key for key in sbn if key not in SBN_SWITCHES]
+    post = [key for key in sbn if key in POST_OPTIONS]
+    if post and not sbn.get("post_sbn"):
+        raise ValueError(f"option(s) {', '.join(post)} act inside post-SBN: set post_sbn: true")
+    inside = [key for key in sbn if key not in SBN_SWITCHES and key not in POST_OPTIONS]
     if inside and not sbn.get("pre_sbn"):
         raise ValueError(f"option(s) {', '.join(inside)} act inside pre-SBN: set pre_sbn: true")
     sbn.setdefault("pre_sbn", False)
     sbn.setdefault("post_sbn", False)
-    return ParsedSpec(name, spec, sbn)
+    return ParsedSpec(name, spec, sbn, prefix)
 
 
 def full_spec(spec: AttentionSpec) -> dict[str, Any]:
@@ -190,17 +216,26 @@ def full_spec(spec: AttentionSpec) -> dict[str, Any]:
         full["bounded_inputs"] = True  # build_attention's own rule
     full.update(parsed.options)
     full.update(parsed.sbn)
+    full["prefix"] = parsed.prefix
     return full
 
 
 def check_attention_spec(
-    spec: dict[str, Any] | None, *, head_dim: int, num_heads: int, where: str = "attention"
+    spec: dict[str, Any] | None,
+    *,
+    head_dim: int,
+    num_heads: int,
+    where: str = "attention",
+    roles: tuple[str, ...] = ("encoder",),
+    num_layers: int | None = None,
 ) -> None:
     """Raise ``ValueError`` (prefixed by ``where``) if ``spec``, a mapping as in
     ``configs/attention/``, would not build: ``parse_spec``'s checks, then the constructors'
     range checks by one trial build for this head shape, with the global random state
-    saved and restored, so a seeded run draws the same weights."""
+    saved and restored, so a seeded run draws the same weights. ``roles``: where the model
+    builds it (``ROLES``); ``num_layers``: its encoder's depth (a per-layer ``prefix``)."""
     from . import build_attention
+    from .prefix import check_prefix_layers
 
     if spec is None:
         return
@@ -209,9 +244,13 @@ def check_attention_spec(
             f"{where} must be a mapping like {{name: rmfa, kernel: exp}}; got {spec!r}"
         )
     try:
-        parse_spec(spec)
+        parsed = parse_spec(spec)
+        if num_layers is not None and "encoder" in roles:
+            check_prefix_layers(parsed.prefix, num_layers)
         with torch.random.fork_rng(devices=[]):
-            build_attention(spec, head_dim=head_dim, num_heads=num_heads)
+            for role in roles:
+                layer = 0 if role == "encoder" else None
+                build_attention(spec, head_dim=head_dim, num_heads=num_heads, role=role, layer=layer)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 
@@ -230,9 +269,13 @@ def describe_backends() -> str:
         f"  {name}: " + ", ".join(line(cls, k, p) for k, p in _parameters(cls).items())
         for name, cls in BACKENDS.items()
     ]
+    from .prefix import PrefixAttention
+
     wrapper = ", ".join(line(PPSBNAttention, k, p) for k, p in sbn_options().items())
+    around = ", ".join(line(PrefixAttention, k, p) for k, p in prefix_options().items())
     return "\n".join(
         ["attention: {name: <backend>, <option>: <value>, ...}; backends and options:", *rows]
         + [f"  any backend, wrapped in ppSBN: {wrapper}"]
+        + [f"  any backend, in an encoder's self-attention: {around} (a value or one per layer)"]
         + [f"  kernels: {', '.join(KERNELS)} (attention.register_kernel adds more)"]
     )

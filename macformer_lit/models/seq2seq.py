@@ -45,13 +45,17 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.ln_self = nn.LayerNorm(d_model)
         self.self_attn = MultiHeadAttention(
-            d_model=d_model, num_heads=num_heads, attention=self_attention
+            d_model=d_model, num_heads=num_heads, attention=self_attention, role="decoder"
         )
         self.ln_cross = nn.LayerNorm(d_model)
         # Decoder queries are causal although cross-attention is not: pre-SBN must not pool
         # statistics over them in training (ppsbn.PPSBNAttention.leak_free).
         self.cross_attn = MultiHeadAttention(
-            d_model=d_model, num_heads=num_heads, attention=cross_attention, causal_queries=True
+            d_model=d_model,
+            num_heads=num_heads,
+            attention=cross_attention,
+            causal_queries=True,
+            role="cross",
         )
         self.ln_ffn = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from macformer_lit.attention import AttentionSpec, build_attention
+from macformer_lit.attention.prefix import check_prefix_layers
+from macformer_lit.attention.spec import as_spec
 from macformer_lit.models.dropout import Dropout
 
 
@@ -23,9 +25,12 @@ class MultiHeadAttention(nn.Module):
         num_heads: int,
         attention: AttentionSpec = None,
         causal_queries: bool = False,
+        role: str = "encoder",
+        layer: int | None = None,
     ) -> None:
         """``attention`` is passed to ``build_attention`` as it is; ``causal_queries``: the
-        queries are causal although the call is not (decoder cross-attention)."""
+        queries are causal although the call is not (decoder cross-attention); ``role``
+        and ``layer``: where the model builds it (an encoder's ``prefix`` reads them)."""
         super().__init__()
         if d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
@@ -36,7 +41,12 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
         self.backend = build_attention(
-            attention, head_dim=self.head_dim, num_heads=num_heads, causal_queries=causal_queries
+            attention,
+            head_dim=self.head_dim,
+            num_heads=num_heads,
+            causal_queries=causal_queries,
+            role=role,
+            layer=layer,
         )
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,10 +122,13 @@ class EncoderBlock(nn.Module):
         ffn_dim: int,
         dropout: float,
         attention: AttentionSpec = None,
+        layer: int | None = None,
     ) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model=d_model, num_heads=num_heads, attention=attention)
+        self.attn = MultiHeadAttention(
+            d_model=d_model, num_heads=num_heads, attention=attention, layer=layer
+        )
         self.ln_ffn = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model=d_model, ffn_dim=ffn_dim, dropout=dropout)
         self.dropout = Dropout(dropout)
@@ -161,6 +174,8 @@ class Encoder(nn.Module):
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
         if not 0 <= pad_id < vocab_size:
             raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {vocab_size})")
+        spec = as_spec(attention)
+        check_prefix_layers((spec or {}).get("prefix"), num_layers)
         self.max_len = max_len
         # No padding_idx: padded positions are masked out of attention and pooling anyway,
         # and for pixel tasks (Image, Pathfinder) id 0 is a real pixel value, not padding.
@@ -175,8 +190,9 @@ class Encoder(nn.Module):
                 ffn_dim=ffn_dim,
                 dropout=dropout,
                 attention=attention,
+                layer=i,
             )
-            for _ in range(num_layers)
+            for i in range(num_layers)
         )
         self.ln_out = nn.LayerNorm(d_model)
 

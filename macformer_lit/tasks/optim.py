@@ -18,11 +18,17 @@ def adamw_warmup_linear(
 ) -> dict:
     """Optimizer config for ``configure_optimizers``; the schedule steps every batch.
 
-    Biases, norms and embeddings get no weight decay.
+    Biases, norms and embeddings get no weight decay. A parameter carrying an ``_optim``
+    dict (``{"lr": ..., "weight_decay": ...}``, as S4 and Mamba mark theirs; ppSBN's
+    temperature) gets a group of its own with those settings, scheduled like the rest.
     """
     decay, no_decay = [], []
+    own: dict[tuple, list] = {}
     for name, p in module.named_parameters():
         if not p.requires_grad:
+            continue
+        if hasattr(p, "_optim"):
+            own.setdefault(tuple(sorted(p._optim.items())), []).append(p)
             continue
         is_matrix = p.dim() >= 2 and "emb" not in name
         (decay if is_matrix else no_decay).append(p)
@@ -30,6 +36,7 @@ def adamw_warmup_linear(
         [
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
+            *({"params": ps, **dict(key)} for key, ps in own.items()),
         ],
         lr=lr,
         betas=betas,
