@@ -34,8 +34,7 @@ def resolve_prefix(prefix: str | list[str] | None, layer: int | None) -> str:
         bad = [p for p in prefix if p not in PREFIXES]
         if bad or not prefix:
             raise ValueError(
-                f"prefix {list(prefix)!r}: each layer's value must be one of "
-                f"{', '.join(PREFIXES)}"
+                f"prefix {list(prefix)!r}: each layer's value must be one of {', '.join(PREFIXES)}"
             )
         if layer is None:
             raise ValueError(
@@ -140,9 +139,10 @@ class PrefixAttention(AttentionBackend):
             k,
             v,
             key_padding_mask,
-            lambda q, k, v, m: reference_forward(self.inner, q, k, v, key_padding_mask=m, causal=True),
+            lambda q, k, v, m: reference_forward(
+                self.inner, q, k, v, key_padding_mask=m, causal=True
+            ),
         )
 
     def step(self, q, k, v, state=None):
         raise ValueError("prefix attention is an encoder option: it has no decoding step")
-

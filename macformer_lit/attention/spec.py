@@ -250,7 +250,9 @@ def check_attention_spec(
         with torch.random.fork_rng(devices=[]):
             for role in roles:
                 layer = 0 if role == "encoder" else None
-                build_attention(spec, head_dim=head_dim, num_heads=num_heads, role=role, layer=layer)
+                build_attention(
+                    spec, head_dim=head_dim, num_heads=num_heads, role=role, layer=layer
+                )
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 

@@ -9,7 +9,10 @@ sequences; after the step the callback reruns the core on them and logs, per lay
 - ``.../nmse_uniform`` and ``.../nmse_first_order``: the same for uniform attention and the
   deterministic [1, x] map, the baselines that pre-SBN makes hard to beat,
 - ``.../denominator_engaged``: fraction of rows where the denominator policy acted,
-- ``.../logit_min``, ``.../logit_max``: range of q·k/√d over the real pairs.
+- ``.../logit_min``, ``.../logit_max``: range of q·k/√d over the real pairs,
+- ``.../temperature``, ``.../temperature_top``: ppSBN's learnable τ (mean and largest over
+  the heads), where the layer has one; the NMSE above is then at that τ (q is captured
+  after it), against the exact kernel the core stands for.
 
 Only rank 0 measures; it logs to every attached logger (``logger.log_metrics``, e.g. CSV and
 W&B) at the step measured.
@@ -23,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from macformer_lit.attention import attention_cores
+from macformer_lit.attention import PPSBNAttention, attention_cores
 from macformer_lit.attention.reference import (
     first_order_attention,
     keep_mask,
@@ -46,9 +49,16 @@ class AttentionTelemetry(Callback):
         self._captured: dict[int, tuple] = {}
         self._armed = False
         self._last_step = -1
+        self._temperatures: dict[int, PPSBNAttention] = {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for i, (_, core) in enumerate(attention_cores(pl_module)):
+        cores = attention_cores(pl_module)
+        index = {id(core): i for i, (_, core) in enumerate(cores)}
+        for module in pl_module.modules():
+            if isinstance(module, PPSBNAttention) and module.temperature_max is not None:
+                for _, core in attention_cores(module):
+                    self._temperatures[index[id(core)]] = module
+        for i, (_, core) in enumerate(cores):
             hook = self._capture_hook(i)
             self._handles.append(core.register_forward_hook(hook, with_kwargs=True))
 
@@ -96,6 +106,11 @@ class AttentionTelemetry(Callback):
             for layer, captured in sorted(self._captured.items())
             for key, value in self.measure(*captured).items()
         }
+        for layer, wrapper in sorted(self._temperatures.items()):
+            with torch.no_grad():
+                tau = wrapper.temperature().flatten()
+            metrics[f"telemetry/layer{layer}/temperature"] = float(tau.mean())
+            metrics[f"telemetry/layer{layer}/temperature_top"] = float(tau.max())
         self._captured = {}
         # Straight to the loggers, at the step measured: self.log from this hook would repeat
         # the values on later steps.
