@@ -18,6 +18,7 @@ from .feature_attention import DENOMINATOR_POLICIES, FeatureAttention
 from .kernelized import KernelizedAttention
 from .kernels import KERNELS, Kernel, get_kernel, register_kernel
 from .linear import LinearAttention
+from .maclaurin import MaclaurinAttention
 from .ppsbn import PPSBNAttention
 from .prefix import PREFIXES, PrefixAttention, resolve_prefix
 from .rmfa import RMFAttention
@@ -32,6 +33,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "favor": FavorAttention,
     "linear": LinearAttention,
     "uniform": UniformAttention,
+    "maclaurin": MaclaurinAttention,
 }
 
 

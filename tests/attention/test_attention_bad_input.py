@@ -15,7 +15,11 @@ def _build(name="rmfa", **options):
 @pytest.mark.parametrize(
     "name,options,match",
     [
-        ("nope", {}, "valid backends: favor, kernelized, linear, rmfa, softmax"),
+        (
+            "nope",
+            {},
+            "valid backends: favor, kernelized, linear, maclaurin, rmfa, softmax, uniform",
+        ),
         ("rmfa", {"kernel": "cosine"}, "valid kernels: exp, inv, log, sqrt, trigh"),
         ("kernelized", {"kernel": "cosine"}, "valid kernels"),
         ("rmfa", {"num_features": 0}, "num_features must be >= 1"),

@@ -1,0 +1,74 @@
+"""Deterministic Maclaurin feature attention: the kernel's series cut at degree 2, exactly
+(docs/maths.md §14).
+
+    φ(x) = [√a₀, √a₁·x, √a₂·(x_i x_j)·√w_ij for i ≤ j],  x = q/d^{1/4},  w_ii = 1, w_ij = 2
+    φ(q)·φ(k) = a₀ + a₁ s + a₂ s²,  s = q·k/√d
+
+No sampling: the map is exact for its own kernel 1 + s + s²/2 (exp), which is ≥ a₀ − a₁²/(4a₂)
+= 1/2 > 0 for every s, so denominators never vanish. Against the full kernel it is the
+degree-2 Taylor cut, close where |s| is a few units: after pre-SBN |s| ≤ τ/√d, the regime
+where 128 random Maclaurin features already lose to uniform attention
+(benchmarks/results/temperature_nmse.md). D' = 1 + d + d(d+1)/2 rows (561 at d = 32), the
+symmetric half of x⊗x. ``degree: 1`` keeps [√a₀, √a₁·x] (the first-order baseline).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from .feature_attention import FeatureAttention, KeyFeatures, QueryFeatures
+from .kernels import get_kernel
+
+
+class MaclaurinAttention(FeatureAttention):
+    # Degree 2 is positive for every registered kernel, degree 1 is not: the denominator
+    # policy tests against eps·n, as for signed random features.
+    signed_features = True
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        num_heads: int,
+        kernel: str = "exp",
+        degree: Literal[1, 2] = 2,
+        bounded_inputs: bool = False,
+        **common: Any,
+    ) -> None:
+        super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
+        if degree not in (1, 2):
+            raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
+        self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
+        self.target_kernel, self.degree = kernel, degree
+        a = [self.kernel.coefficient(n) for n in range(degree + 1)]
+        rows, cols = torch.triu_indices(head_dim, head_dim)  # row-major: the slices' order
+        weight = torch.where(rows == cols, 1.0, 2.0).double()
+        scale = torch.cat(
+            [torch.tensor([math.sqrt(a[0])]), torch.full((head_dim,), math.sqrt(a[1]))]
+            + ([torch.sqrt(a[2] * weight)] if degree == 2 else [])
+        )
+        self.register_buffer("_scale", scale.float(), persistent=False)
+        self.num_features = scale.numel()
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel.name}, degree={self.degree}, features={self.num_features}"
+
+    def _map(self, x):
+        """φ rows (B, H, ..., D', L) of x (B, H, ..., L, d)."""
+        x = x * self.head_dim**-0.25
+        parts = [torch.ones_like(x[..., :1]), x]
+        if self.degree == 2:
+            # Row i of the upper triangle, x_i·x_{i..d}: slices, whose backward is a sum per
+            # slice (an index gather's backward scatters, ~3x slower on the CPU).
+            parts.extend(x[..., i : i + 1] * x[..., i:] for i in range(self.head_dim))
+        phi = torch.cat(parts, -1) * self._scale.to(x.dtype)
+        return phi.transpose(-1, -2)
+
+    def _key_features(self, k, keep, floor):
+        return KeyFeatures(self._map(k), None)
+
+    def _query_features(self, q, ref):
+        return QueryFeatures(self._map(q), None)
