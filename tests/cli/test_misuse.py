@@ -440,3 +440,46 @@ def test_a_bad_sweep_file_is_one_line(tmp_path, capsys, text, expected):
     assert line.startswith(f"macformer_lit sweep: error: sweep config {sweep}"), line
     assert expected in line, line
     assert not (tmp_path / "runs").exists()
+
+
+# ---- attention options that do not fit where they are used -------------------------------
+@pytest.mark.parametrize(
+    "config, extra, expected",
+    [
+        # A prefix in a translation model's shared spec reaches its decoder.
+        (
+            "translation_synthetic.yaml",
+            ["--model.init_args.attention", "{name: softmax, prefix: forward}"],
+            "put it in encoder_attention",
+        ),
+        (
+            "translation_synthetic.yaml",
+            ["--model.init_args.cross_attention", "{name: rmfa, prefix: split}"],
+            "not in cross attention",
+        ),
+        # One value per layer: the list must match the encoder's depth.
+        (
+            "lra_listops.yaml",
+            ["--model.init_args.attention", "{name: softmax, prefix: [forward, none, none]}"],
+            "one value per layer",
+        ),
+        (
+            "lra_listops.yaml",
+            ["--model.init_args.attention", "{name: uniform, num_features: 64}"],
+            "no option(s) num_features",
+        ),
+        (
+            "lra_listops.yaml",
+            [
+                "--model.init_args.attention",
+                "{name: rmfa, kernel: inv, pre_sbn: true, temperature_max: 32.0}",
+            ],
+            "temperature_max < √head_dim",
+        ),
+    ],
+)
+def test_attention_options_that_do_not_fit_are_one_line(tmp_path, capsys, config, extra, expected):
+    argv = ["fit", "--config", config, "--runs_dir", str(tmp_path / "runs"),
+            "--data.data_dir", str(tmp_path / "data"), *QUIET, *extra]  # fmt: skip
+    line = refused(capsys, argv, tmp_path)
+    assert expected in line, line
