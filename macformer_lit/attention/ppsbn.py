@@ -282,6 +282,7 @@ class PPSBNAttention(AttentionBackend):
         self.sbn_stats, self.sbn_train_stats = sbn_stats, sbn_train_stats
         self.temperature_max, self.causal_queries = temperature_max, causal_queries
         self.post_sbn_power, self.post_sbn_gamma = post_sbn_power, post_sbn_gamma
+        self.temperature_init, self.temperature_lr = temperature_init, temperature_lr
         self.target_kernel = inner.target_kernel
         if pre_sbn and sbn_stats == "batch":
             self.register_buffer("running_mean", torch.zeros(2, num_heads, head_dim))

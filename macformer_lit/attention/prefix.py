@@ -87,6 +87,7 @@ class PrefixAttention(AttentionBackend):
         if direction == "split" and num_heads < 2:
             raise ValueError("prefix: split needs at least 2 heads (half each way); got 1")
         self.inner, self.direction, self.num_heads = inner, direction, num_heads
+        self.prefix, self._layer = prefix, layer  # the layer is the model's, not a setting
         self.target_kernel = inner.target_kernel
 
     @property
