@@ -324,7 +324,8 @@ def test_tiny_fit_leaves_wandb_run_csv_and_checkpoints(tmp_path):
     [
         (
             ["--model.init_args.attention", "{name: nope}"],
-            "unknown attention backend 'nope'; valid backends: favor, kernelized, linear, maclaurin, rmfa",
+            "unknown attention backend 'nope'; valid backends: favor, kernelized, linear, "
+            "maclaurin, rmfa",
         ),
         (
             [
