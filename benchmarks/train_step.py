@@ -18,7 +18,9 @@ DataModules give one (all True by default; ``--length-fraction`` pads a share).
 Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``softmax``
 (softmax.yaml, torch SDPA), ``macformer`` (rmfa_exp.yaml: RMFA exp + ppSBN), ``rmfa_nosbn``
 (the same without ppSBN), ``softmax_ppsbn`` (softmax_ppsbn.yaml), ``favor`` (favor.yaml),
-``linear`` (linear.yaml), and ``torch``: the same model written with torch's own modules,
+``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``release``
+(rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not in the default set), and
+``torch``: the same model written with torch's own modules,
 ``nn.TransformerEncoder(nn.TransformerEncoderLayer(d_model, nhead, ffn, dropout,
 activation="gelu", batch_first=True, norm_first=True), num_layers, norm=LayerNorm)`` with
 ``src_key_padding_mask``, the same embeddings, masked mean pooling and head: the row a user
@@ -217,6 +219,15 @@ def all_backends(config_dir: Path) -> list[Backend]:
         Backend("favor", "FAVOR+", attention_yaml(config_dir, "favor"), "attention/favor.yaml"),
         Backend("linear", "linear (elu+1)", attention_yaml(config_dir, "linear"),
                 "attention/linear.yaml"),
+        Backend("macformer_learns", "degree-2 Maclaurin + ppSBN, temperature",
+                attention_yaml(config_dir, "maclaurin_ppsbn"), "attention/maclaurin_ppsbn.yaml"),
+        Backend("release", "RMFA as released (prefix sums, row pre-SBN)",
+                attention_yaml(config_dir, "rmfa_exp_release"),
+                "attention/rmfa_exp_release.yaml"),
+        Backend("uniform", "uniform", attention_yaml(config_dir, "uniform"),
+                "attention/uniform.yaml"),
+        Backend("uniform_prefix", "uniform over prefixes", attention_yaml(config_dir,
+                "uniform_prefix"), "attention/uniform_prefix.yaml"),
         Backend("torch", "nn.TransformerEncoder (what you would write)", None,
                 "torch.nn, attention-weight dropout = the preset's attention dropout"),
         Backend("torch_dropout", "nn.TransformerEncoder, dropout on attention weights", None,
