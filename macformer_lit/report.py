@@ -131,6 +131,7 @@ class Run:
     nmse_uniform: float | None = None
     val_acc: Series = field(default_factory=list)
     telemetry: dict[str, Series] = field(default_factory=dict)
+    val_majority: float | None = None  # the validation split's majority-class share
 
 
 def backend_label(attention: dict | None) -> str:
@@ -298,6 +299,7 @@ def read_run(path: Path) -> Run:
         nmse_uniform=final.get("nmse_uniform"),
         val_acc=[(float(r["step"]), v) for r, v in _values(rows, "val/acc") if r.get("step")],
         telemetry=telemetry,
+        val_majority=next((v for _, v in _values(rows, "val/majority_acc")), None),
     )
 
 
@@ -647,6 +649,12 @@ def row_name(row: dict, tasks: int) -> str:
     return f"{row['task']}: {name}" if tasks > 1 else name
 
 
+def row_colours(rows: list[dict]) -> dict[str, str]:
+    """One colour per row name, the same in every figure of a report."""
+    tasks = len({r["task"] for r in rows})
+    return colours_for([row_name(r, tasks) for r in rows])
+
+
 def plot_accuracy_time(rows: list[dict], path: Path) -> None:
     """Test accuracy against training time relative to softmax, a point per row that has a
     softmax row to be timed against, named in the legend under the plot."""
@@ -654,7 +662,7 @@ def plot_accuracy_time(rows: list[dict], path: Path) -> None:
     tasks = sorted({r["task"] for r in rows})
     pts = [r for r in rows if r["time_rel"]]
     names = [row_name(r, len(tasks)) for r in pts]
-    colours = colours_for(names)
+    colours = row_colours(rows)
     markers = dict(zip(tasks, "osD^v<>p*h"))
     fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
     for r, name in zip(pts, names):
@@ -671,11 +679,13 @@ def plot_accuracy_time(rows: list[dict], path: Path) -> None:
 
 
 def plot_validation(rows: list[dict], groups: dict[tuple, list[Run]], path: Path) -> None:
-    """Validation accuracy over steps, one panel per task."""
+    """Validation accuracy over steps, one panel per task; the validation split's majority
+    class as a grey dashed line where the runs logged it (``val/majority_acc``)."""
     plt = pyplot()
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    names = {r["_key"]: row_name(r, 1) for r in rows}
-    colours = colours_for(list(names.values()))
+    names = {r["_key"]: row_name(r, 1) for r in rows}  # a panel per task: no task prefix
+    full = row_colours(rows)
+    colours = {names[r["_key"]]: full[row_name(r, len(tasks))] for r in rows}
     fig, axes = plt.subplots(
         1, len(tasks), figsize=(7 * len(tasks), 4), squeeze=False, layout="constrained"
     )
@@ -686,6 +696,18 @@ def plot_validation(rows: list[dict], groups: dict[tuple, list[Run]], path: Path
             if r["task"] == task
         }
         plot_bands(ax, curves, colours=colours)
+        shares = {
+            run.val_majority
+            for r in rows
+            if r["task"] == task
+            for run in groups[r["_key"]]
+            if run.val_majority is not None
+        }
+        if shares:
+            # One validation split per task, so one share (several: their range, drawn apart).
+            for i, share in enumerate(sorted(shares)):
+                ax.axhline(100 * share, color="grey", linestyle="--", linewidth=1.2,
+                           label="majority class (validation)" if i == 0 else None)  # fmt: skip
         ax.set_title(f"{task}: validation accuracy (mean over seeds, min–max band)")
         ax.set_xlabel("training step")
         ax.set_ylabel("validation accuracy (%)")
@@ -704,7 +726,7 @@ def plot_telemetry(rows: list[dict], groups: dict[tuple, list[Run]], path: Path)
         return False
     plt = pyplot()
     names = {r["_key"]: row_name(r, tasks) for r in with_telemetry}
-    colours = colours_for(list(names.values()))
+    colours = row_colours(rows)
 
     def curves(quantity: str) -> dict[str, list]:
         return {

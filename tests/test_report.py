@@ -398,3 +398,33 @@ def test_runs_on_another_device_are_their_own_row_and_pool_in_the_papers_table(r
     )
     rmfa_accs = [100 * logged(made["rmfa"], "test/acc")[-1]] * 2
     assert f"2 seeds: 1 on CPU + 1 on GPU) | {statistics.fmean(rmfa_accs):.2f} ± 0.00 |" in md
+
+
+def test_curves_draw_the_validation_majority_class_and_share_colours(runs, monkeypatch):
+    """Each run logs its validation split's majority-class share; the curves draw it as one
+    line, and a row keeps its colour in every figure of the report."""
+    made, _ = runs
+    share = logged(made["softmax1"], "val/majority_acc")[-1]
+    assert 0 < share < 1
+    from matplotlib.figure import Figure
+
+    from macformer_lit import report
+
+    figures = {}
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, path, **kw: figures.__setitem__(path.name, fig)
+    )
+    run_list, _ = report.collect([made["softmax1"].parent], made["softmax1"].parents[1] / "x")
+    rows, groups = report.summarise(run_list)
+    report.plot_validation(rows, groups, made["softmax1"].parent / "curves.png")
+    report.plot_telemetry(rows, groups, made["softmax1"].parent / "telemetry.png")
+    (ax,) = figures["curves.png"].axes
+    majority = [ln for ln in ax.lines if ln.get_label() == "majority class (validation)"]
+    assert len(majority) == 1 and list(majority[0].get_ydata()) == [100 * share] * 2
+    colour_of = {}
+    for fig in figures.values():
+        for line in fig.axes[0].lines:
+            label = line.get_label().rsplit(" (n=", 1)[0]
+            if not label.startswith("_") and label != "majority class (validation)":
+                colour_of.setdefault(label, set()).add(line.get_color())
+    assert colour_of and all(len(c) == 1 for c in colour_of.values())

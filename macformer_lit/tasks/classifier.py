@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from macformer_lit.models import DualEncoderClassifier, EncoderClassifier
@@ -24,6 +25,24 @@ from macformer_lit.models import DualEncoderClassifier, EncoderClassifier
 from .base import STAGES, LitTask
 from .optim import check_optim_args
 from .reduce import eval_mean_losses, log_stage_loss
+
+
+class MajorityShare(Metric):
+    """The share of the most frequent label among the labels seen: the accuracy of always
+    predicting the majority class of this split (summed over DDP ranks). Logged as
+    ``val/majority_acc`` and ``test/majority_acc``, the line a plateau sits on."""
+
+    full_state_update = False
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.add_state("counts", torch.zeros(num_classes, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, labels: torch.Tensor) -> None:
+        self.counts += torch.bincount(labels.flatten(), minlength=self.counts.numel())
+
+    def compute(self) -> torch.Tensor:
+        return self.counts.max().float() / self.counts.sum().clamp_min(1)
 
 
 class LitClassifier(LitTask):
@@ -67,6 +86,9 @@ class LitClassifier(LitTask):
             {f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in STAGES}
         )
         self.mean_loss = eval_mean_losses()
+        self.majority = torch.nn.ModuleDict(
+            {f"{s}_majority": MajorityShare(num_classes) for s in STAGES if s != "train"}
+        )
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.hparams.dual_encoder:
@@ -92,6 +114,11 @@ class LitClassifier(LitTask):
         batch_size = batch["labels"].shape[0]
         log_stage_loss(self, stage, loss, batch_size)
         self.log_stage_metric(stage, "acc", acc, batch_size)
+        if stage != "train":
+            majority = self.majority[f"{stage}_majority"]
+            majority(batch["labels"])
+            self.log(f"{stage}/majority_acc", majority, on_step=False, on_epoch=True,
+                     batch_size=batch_size)  # fmt: skip
         return loss
 
     def predict_step(self, batch, batch_idx):

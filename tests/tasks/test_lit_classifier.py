@@ -54,6 +54,15 @@ def test_lit_classifier_learns_a_toy_task():
     (result,) = trainer.test(model, toy_loader(128, 2), verbose=False)
     # Chance is about 1/3; the rule is exact, so a working model is far above it.
     assert result["test/acc"] > 0.8
+    # The majority-class share of each split, counted from its labels.
+    (validated,) = trainer.validate(model, toy_loader(64, 1), verbose=False)
+    for stage, loader, metrics in (
+        ("val", toy_loader(64, 1), validated),
+        ("test", toy_loader(128, 2), result),
+    ):
+        labels = torch.cat([b["labels"] for b in loader])
+        share = float(torch.bincount(labels).max() / labels.numel())
+        assert float(metrics[f"{stage}/majority_acc"]) == pytest.approx(share)
 
 
 def test_schedule_warms_up_then_decays_to_zero():
