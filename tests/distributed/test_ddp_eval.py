@@ -150,7 +150,9 @@ def test_ddp_fit_leaves_a_single_run_folder(listops_runs):
 def test_ddp_listops_test_metrics_equal_one_process(listops_runs):
     _, fit_dir, one_dir = listops_runs
     two, one = stage_metrics(fit_dir), stage_metrics(one_dir)
-    assert set(one) == {"test/acc", "test/loss"} == set(two)
+    assert set(one) == {"test/acc", "test/loss", "test/majority_acc"} == set(two)
+    # The majority class's share is a ratio of label counts summed over ranks: equal too.
+    assert float(two["test/majority_acc"]) == float(one["test/majority_acc"])
     # Not a degenerate accuracy, so that a duplicated or dropped example would show.
     assert 0.0 < float(one["test/acc"]) < 1.0
     # Accuracy is a ratio of counts: exactly equal.
