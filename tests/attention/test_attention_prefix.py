@@ -79,30 +79,20 @@ def test_each_direction_sees_only_its_side(name):
             assert changed_before == (h not in same_before), (direction, h, "before")
 
 
+def _encoder(num_layers, prefix):
+    return EncoderClassifier(
+        vocab_size=12, num_classes=3, max_len=16, pad_id=0, d_model=16, num_heads=2,
+        num_layers=num_layers, ffn_dim=16, attention={"name": "softmax", "prefix": prefix},
+    )  # fmt: skip
+
+
 def test_per_layer_prefix_and_its_length():
-    model = EncoderClassifier(
-        vocab_size=12,
-        num_classes=3,
-        max_len=16,
-        pad_id=0,
-        d_model=16,
-        num_heads=2,
-        num_layers=2,
-        ffn_dim=16,
-        attention={"name": "softmax", "prefix": ["forward", "none"]},
-    )
+    model = _encoder(2, ["forward", "none"])
     backends = [block.attn.backend for block in model.encoder.blocks]
     assert isinstance(backends[0], PrefixAttention) and backends[0].direction == "forward"
     assert not isinstance(backends[1], PrefixAttention)
     with pytest.raises(ValueError, match="one value per layer"):
-        EncoderClassifier(
-            vocab_size=12,
-            num_classes=3,
-            max_len=16,
-            pad_id=0,
-            num_layers=3,
-            attention={"name": "softmax", "prefix": ["forward", "none"]},
-        )
+        _encoder(3, ["forward", "none"])
     with pytest.raises(ValueError, match="one value per layer"):
         check_attention_spec(
             {"name": "softmax", "prefix": ["forward"]}, head_dim=8, num_heads=2, num_layers=2
