@@ -58,7 +58,8 @@ taken). On CUDA every step is bracketed by ``torch.cuda.synchronize()``.
 FLOPs, counted analytically per backend, in multiply-adds (MAC), FLOP = 2 MAC. Per encoder
 layer and encoded sequence batch (B sequences of N tokens, d_model m, H heads of d = m/H,
 FFN f): q/k/v/o projections 4·B·N·m², FFN 2·B·N·m·f, and attention: softmax (and
-softmax+ppSBN, torch): Q·Kᵀ and P·V, 2·B·H·N²·d; feature-map backends: the map on q and on k,
+softmax+ppSBN, torch): Q·Kᵀ and P·V, 2·B·H·N²·d; uniform: none (the mean of v is a
+reduction); feature-map backends: the map on q and on k,
 2·B·H·N·S·d (S = ω rows: ``_omega.shape[0]`` for RMFA, the random matrix's rows for FAVOR+,
 0 for linear's elu+1), then φ(k)ᵀ[v, 1] and φ(q)ᵀ·state, 2·B·H·N·D'·(d+1), D' = the feature
 rows the layer's map actually returns (read from a forward of each layer). Summed over layers
@@ -107,6 +108,7 @@ from torch import nn
 from macformer_lit.attention import attention_cores, pieces
 from macformer_lit.attention.feature_attention import FeatureAttention
 from macformer_lit.attention.spec import sbn_options
+from macformer_lit.attention.uniform import UniformAttention
 from macformer_lit.models.classifier import pool
 
 try:
@@ -357,6 +359,9 @@ def attention_layout(model: nn.Module, backend: Backend, preset: dict) -> list[d
         return [{"kind": "softmax"} for _ in range(init["num_layers"])]
     layers = []
     for _, core in attention_cores(model):
+        if isinstance(core, UniformAttention):
+            layers.append({"kind": "uniform"})
+            continue
         if not isinstance(core, FeatureAttention):
             layers.append({"kind": "softmax"})
             continue
@@ -394,6 +399,8 @@ def count_flops(preset: dict, layout: list[dict]) -> dict:
         mac["ffn"] += 2 * B * N * m * f
         if layer["kind"] == "softmax":
             mac["attention"] += 2 * B * H * N * N * d
+        elif layer["kind"] == "uniform":
+            pass  # the mean of v: a reduction, elementwise work (not counted)
         else:
             mac["feature_map"] += 2 * B * H * N * layer["S"] * d
             mac["attention"] += 2 * B * H * N * layer["D"] * (d + 1)
@@ -966,7 +973,8 @@ runs every case once in a freshly shuffled order.
 Analytic, in multiply-adds (FLOP = 2 × multiply-adds), per encoder layer and batch of B
 sequences of N tokens (d_model m, H heads of d = m/H, FFN f): q/k/v/o projections
 4·B·N·m², FFN 2·B·N·m·f; attention: softmax, softmax + ppSBN and nn.TransformerEncoder
-2·B·H·N²·d (Q·Kᵀ and P·V); feature-map backends 2·B·H·N·S·d for the map on q and on k (S = ω
+2·B·H·N²·d (Q·Kᵀ and P·V); uniform none (the mean of v is a reduction); feature-map
+backends 2·B·H·N·S·d for the map on q and on k (S = ω
 rows: RMFA's `_omega.shape[0]`, FAVOR+'s random matrix rows, 0 for linear's elu+1) plus
 2·B·H·N·D'·(d+1) for φ(k)ᵀ[v, 1] and φ(q)ᵀ·state (D' = feature rows the layer's map returns,
 read from a forward; each RMFA layer has its own draw). Summed over layers, twice for

@@ -4,6 +4,7 @@ the table, and ``--render`` reproducing the Markdown byte for byte."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 
@@ -194,3 +195,19 @@ def test_whole_batch_runs_the_cpu_step_as_a_gpu_runs_it(tmp_path, monkeypatch, w
     assert not pieces._whole
     run = json.loads((out / "wb.json").read_text())["run"]
     assert run["batch pieces"].startswith("off (--whole-batch" if whole else "the package's")
+
+
+@pytest.mark.parametrize("name", ["uniform", "uniform_prefix"])
+def test_uniform_layers_count_no_attention_flops(name):
+    """Uniform attention is a mean of v (a reduction): its layers count projections and FFN
+    only, not softmax's N² products (they once did, giving GFLOP/s above the GEMM peak)."""
+    config_dir = train_step.default_config_dir()
+    args = argparse.Namespace(max_len=N, batch=B)
+    preset = train_step.load_preset("listops", config_dir, args)
+    backend = {b.name: b for b in train_step.all_backends(config_dir)}[name]
+    model = train_step.build_model(preset, backend)
+    layout = train_step.attention_layout(model, backend, preset)
+    assert layout == [{"kind": "uniform"}] * preset["model_init_args"]["num_layers"]
+    flops = train_step.count_flops(preset, layout)["forward_parts"]
+    assert flops["attention"] == flops["feature_map"] == 0
+    assert flops["projections"] > 0 and flops["ffn"] > 0
