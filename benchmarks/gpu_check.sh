@@ -16,7 +16,7 @@
 # $OUT/gpu_check.tgz after it, so a step that runs out of time costs only itself
 # (benchmarks/_lent_machine.sh: wheels from .whl, MACFORMER_LIT_COMMIT). Copy the results
 # into benchmarks/results/ by hand (train_step_cuda.*, attention_speed_cuda.*) and name the
-# machine and commit in the README.
+# machine and commit in benchmarks/README.md.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 DEVICE=${DEVICE:-cuda}

@@ -107,8 +107,8 @@ def test_committed_sweep_tables_regenerate(tmp_path, name):
 
 
 def test_committed_listops_report_regenerates(tmp_path):
-    """``report results/lra_listops --out results/lra_listops`` (README, "Results") rebuilds
-    the committed table from the committed runs."""
+    """``report results/lra_listops --out results/lra_listops`` (results/lra_listops/README.md)
+    rebuilds the committed table from the committed runs."""
     from macformer_lit.report import main as report_main
 
     committed = RESULTS / "lra_listops"

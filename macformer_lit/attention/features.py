@@ -130,8 +130,8 @@ def maclaurin_layout(
 def _fold(x, omega):
     """(x rows (..., G·L, d), ω (..., S, d), number of folded dims): the trailing batch dims
     of x that ω broadcasts over (the chunks of a causal pass) join x's rows, so one matmul
-    reads ω once, where a batched matmul would copy ω once per chunk (the causal map ran
-    19–25 % slower fwd+bwd that way, benchmarks/attention_hotpaths.py)."""
+    reads ω once, where a batched matmul would copy ω once per chunk, which is slower
+    (benchmarks/README.md, "Hot paths")."""
     lead = x.shape[:-2]
     extra = len(lead) - (omega.dim() - 2)
     if extra < 0:
@@ -158,12 +158,10 @@ def _pieces(xf, wf, const, x_dims, rows):
     projections ω·xᵀ (``rows`` per input row) ≤ ``pieces.PIECE_BYTES``, at least one batch
     entry a piece. ω and const are sliced where they carry the batch dimension, else shared.
 
-    One projection tensor of a ListOps-shape layer (batch 32, 2 heads, 1,000 tokens,
-    S ≈ 146) is 37 MB: a fresh mmap every step, read back from memory instead of cache
-    (pieces.py; the effect on a training step is in
-    benchmarks/results/train_step_listops_n1000_idle.md). CPU only (``batch_slices``): on a
-    GPU every piece costs a kernel launch per level, which made a ListOps-shape training
-    step 8x softmax's on an H200 (benchmarks/README.md)."""
+    Whole-batch projections at the presets' shapes exceed glibc's mmap threshold: a fresh
+    mmap every step, read back from memory instead of cache (pieces.py). CPU only
+    (``batch_slices``): on a GPU every piece costs a kernel launch per level
+    (docs/pitfalls.md §2)."""
     n = xf.shape[0] if xf.dim() >= 3 else 1
     per_entry = rows * xf[:1].numel() // max(xf.shape[-1], 1) * xf.element_size()
     slices = batch_slices(xf, per_entry) if xf.dim() >= 3 else [slice(None)]

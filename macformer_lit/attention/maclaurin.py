@@ -66,7 +66,7 @@ class MaclaurinAttention(FeatureAttention):
         parts = [torch.ones_like(x[..., :1]), x]
         if self.degree == 2:
             # Row i of the upper triangle, x_i·x_{i..d}: slices, whose backward is a sum per
-            # slice (an index gather's backward scatters, ~3x slower on the CPU).
+            # slice (an index gather's backward scatters: slower, benchmarks/README.md).
             parts.extend(x[..., i : i + 1] * x[..., i:] for i in range(self.head_dim))
         phi = torch.cat(parts, -1) * self._scale.to(x.dtype)
         return phi.transpose(-1, -2)
@@ -80,7 +80,7 @@ class MaclaurinAttention(FeatureAttention):
     def attend_now(self, q, k, v, key_padding_mask, causal):
         """Over the batch in pieces on the CPU (``pieces.batch_slices``): the feature rows of
         the whole batch are hundreds of MB, each a fresh mmap; a few entries at a time stay
-        on the heap (3x faster forward and backward at B = 32, N = 1,000). The batch
+        on the heap (docs/pitfalls.md §2). The batch
         entries are independent, so the result is the same; statistics are collected in
         one piece. ``split``, not slicing: its backward is one concatenation, where each
         slice's backward writes a zero tensor of the whole batch (docs/pitfalls.md §2)."""

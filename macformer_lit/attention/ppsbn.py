@@ -88,10 +88,10 @@ class _BatchStandardiseNormalise(torch.autograd.Function):
     ‖z‖, where autograd through the same steps kept x, z and their intermediates.
 
     Eager on the CPU, every pass runs over the batch in pieces (``pieces.batch_slices``):
-    at the Text preset's shape (batch 32, 2 heads, 4,000 tokens, d = 32) q is 33 MB, and each
-    of the ~10 full-size temporaries of the two functions was a fresh mmap read back from
-    memory. Per-entry sums are taken piece by piece and summed over the batch once, in the
-    same order as in one piece: the same bits (tests/attention/test_attention_ppsbn.py)."""
+    at the Text preset's shape each of the ~10 full-size temporaries of the two functions
+    was a fresh mmap read back from memory (docs/pitfalls.md §2). Per-entry sums are taken
+    piece by piece and summed over the batch once, in the same order as in one piece: the
+    same bits (tests/attention/test_attention_ppsbn.py)."""
 
     @staticmethod
     def forward(ctx, x, w, n, eps):
@@ -148,8 +148,7 @@ class _BatchStandardiseNormalise(torch.autograd.Function):
 
 class _PostSBN(torch.autograd.Function):
     """sign(y)·|y|^β with y = γ·out, as y·exp((β−1)·log|y|). The cost is the transcendental
-    functions, not memory passes (on a 2-core AVX2 CPU one log or exp of a (32, 2, 1000, 32)
-    tensor takes ~10 ms, ``pow`` with a tensor exponent ~40): autograd's ``pow`` ran three of
+    functions, not memory passes (docs/pitfalls.md §2): autograd's ``pow`` ran three of
     them forward and backward; here one log and one exp forward, one exp backward, and
     log|y| is kept for the backward pass. Eager on the CPU over the batch in pieces, as
     above; the parameters' gradients sum over positions per entry, then over the batch."""
@@ -345,10 +344,9 @@ class PPSBNAttention(AttentionBackend):
         """Mean and biased variance per (head, channel) over batch and real positions.
 
         Two passes of plain sums, over positions first (contiguous rows) then the batch:
-        ``torch.var_mean`` over dims (0, 2) was 1.1–1.9× slower forward+backward on CPU
-        (benchmarks/attention_hotpaths.py). Masked sums stay ``(x·w).sum``: a matmul with the
-        row mask was ~10 % faster but ~6× further from float64 (one long dot product instead
-        of cascade sums)."""
+        ``torch.var_mean`` over dims (0, 2) is slower on CPU. Masked sums stay ``(x·w).sum``:
+        a matmul with the row mask is one long dot product instead of cascade sums, further
+        from float64 (both measured in benchmarks/README.md, "Hot paths")."""
         if not differentiable:
             x = x.detach()  # only the running estimates read them: no graph to keep
         w, n = _row_weights(x, mask)

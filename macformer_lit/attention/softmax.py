@@ -2,7 +2,7 @@
 
 Flash / memory-efficient kernels on GPU, the fused kernel on CPU. Attention dropout is an
 explicit option: on CPU any ``dropout > 0`` in training leaves the fused kernel for the
-math path, 8-14x slower (docs/pitfalls.md §2).
+math path, several times slower (docs/pitfalls.md §2).
 """
 
 from __future__ import annotations

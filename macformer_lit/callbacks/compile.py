@@ -11,9 +11,8 @@ resumes an eager checkpoint and the other way round. What is compiled:
   without ppSBN, the chunked causal path of ``rmfa``, ``favor`` and ``linear`` included.
   Causal ppSBN in training traces correctly through AOTAutograd (``aot_eager``; its running
   statistics are rebound, not updated in place, when compiled), but with inductor on the
-  CPU one input gave other outputs than eager in one row (3e-2 off, at a point where the
-  eager query gradient reached 5e7; cause not found, 2026-11-26). Those decoder blocks
-  stay eager, and the run says so.
+  CPU one input gave other outputs than eager (cause not found; docs/pitfalls.md §8).
+  Those decoder blocks stay eager, and the run says so.
 
 Decoding (greedy and beam search) runs the blocks' ``step`` methods, which stay eager.
 """

@@ -1,35 +1,29 @@
 """Give the host memory that freed tensors leave behind back to the operating system.
 
-Why a long CPU run grew until it was killed. PyTorch allocates CPU tensors with the C
-library's ``malloc``. glibc serves large blocks with ``mmap`` at first, but every time such a
-block is freed it raises its threshold for ``mmap`` to that block's size (up to 32 MiB on
-64-bit), so from the first steps on, nearly every activation of a Transformer step is carved
-out of the heap instead. When every batch has another shape (length-bucketed batches, or
-batches padded to their own longest sequence), the freed blocks never fit the next step's
-requests exactly: the heap fragments, and glibc keeps the freed pages resident because they
-do not lie at its top. Nothing is leaked (Python holds no reference), yet the resident size
-only grows. Measured on full-length ListOps (batch 32, RMFA + ppSBN, 2 threads, shapes
-drawn from 100–2000 tokens): 1.3 GB after the first step, 2.5 GB after 20, 4.6 GB after
-180, against 0.38 GB of live memory; a 24,000-tree run reached 13.6 GB in four epochs and
-was killed.
+Why a long CPU run grew until it was killed (docs/pitfalls.md §5, with the measurements).
+PyTorch allocates CPU tensors with the C library's ``malloc``. glibc serves large blocks
+with ``mmap`` at first, but every time such a block is freed it raises its threshold for
+``mmap`` to that block's size (up to 32 MiB on 64-bit), so from the first steps on, nearly
+every activation of a Transformer step is carved out of the heap instead. When every batch
+has another shape (length-bucketed batches, or batches padded to their own longest
+sequence), the freed blocks never fit the next step's requests exactly: the heap fragments,
+and glibc keeps the freed pages resident because they do not lie at its top. Nothing is
+leaked (Python holds no reference), yet the resident size only grows.
 
 Two fixes, at that cause:
 
 - The DataModules pad every batch to a multiple of 64 tokens (``pad_to_multiple_of``), so
   a run meets a bounded set of shapes (about ``max_len / 64``) and the heap's free blocks
-  fit again. Measured in the same setting at one thread: peak resident size 5.2 GB after
-  300 steps and still rising with batches padded to their own longest sequence, 3.3 GB
-  after 250 steps and levelling off (3.2 GB at step 125) with the rounding.
+  fit again.
 - This callback calls ``malloc_trim(0)`` after every training, validation and test epoch,
   which hands the free pages of every heap back to the system (``madvise``): the resident
-  size falls back to the live memory (0.38 GB in the setting above) before the next
-  phase, whose batches have other shapes. ``every_n_steps`` trims during training too;
-  it is off by default because trimming costs a page fault for every page used again:
-  every 10 steps it cost nothing measurable, every step 31 % of an RMFA step, and on its
-  own (without the rounding) it did not stop the peak from rising between trims.
+  size falls back to the live memory before the next phase, whose batches have other
+  shapes. ``every_n_steps`` trims during training too; it is off by default because
+  trimming costs a page fault for every page used again, and on its own (without the
+  rounding) it does not stop the peak from rising between trims.
 
-Fixing glibc's ``mmap`` threshold instead (``mallopt``) kept memory flat too but made steps
-twice as slow (every large tensor a fresh zeroed mapping).
+Fixing glibc's ``mmap`` threshold instead (``mallopt``) keeps memory flat too but makes
+every large tensor a fresh zeroed mapping, which is slower.
 
 Only glibc has ``malloc_trim``; elsewhere (macOS, musl) this callback does nothing.
 """

@@ -118,8 +118,8 @@ def _source_units(expression: str | bytes) -> bytes:
     """``SOURCE_TOKENS`` index of every whitespace-separated token, as bytes.
 
     ``ValueError`` naming the problem for an empty expression or an unknown token. Lines
-    as the generator writes them take the fast path (96k rows in seconds, where splitting
-    3,000 tokens a line into Python strings takes half a minute).
+    as the generator writes them take the fast path (splitting long lines into Python
+    strings is slow; docs/data.md §4).
     """
     raw = expression.encode() if isinstance(expression, str) else expression
     fast = _source_units_fast(raw)

@@ -1,15 +1,13 @@
-"""Dropout whose mask costs a quarter of torch's on the CPU (docs/pitfalls.md §2).
+"""Dropout with cheap masks on the CPU (docs/pitfalls.md §2).
 
 On the CPU, ``torch.nn.Dropout`` draws one Bernoulli variate per element from the mt19937
-generator; at the ListOps paper shape (batch 32, 1,000 tokens) its seven masks took 221 ms of a
-1.2 s Macformer training step (18 %) and of a 1.9 s softmax step (12 %) on a 2-core AVX2 CPU.
-Here each 64-bit draw gives four 16-bit uniforms, compared with ⌊p·2¹⁶⌉: the mask of a
-(32, 1000, 128) tensor takes 12 ms instead of 47. The drop probability is therefore p rounded to
-a multiple of 2⁻¹⁶ (0.1 → 0.100006), and kept values are scaled by 1/(1 − that probability), so
-the layer stays unbiased. The draws come from torch's default CPU generator, so
-``seed_everything`` and checkpointed RNG states govern them as before. Only the 1-byte mask is
-kept for the backward pass. Off the CPU (CUDA's Philox dropout is already fast), under
-torch.compile and in eval mode this is ``torch.nn.functional.dropout``.
+generator, a large share of a training step (measured in docs/pitfalls.md §2). Here each
+64-bit draw gives four 16-bit uniforms, compared with ⌊p·2¹⁶⌉. The drop probability is
+therefore p rounded to a multiple of 2⁻¹⁶ (0.1 → 0.100006), and kept values are scaled by
+1/(1 − that probability), so the layer stays unbiased. The draws come from torch's default
+CPU generator, so ``seed_everything`` and checkpointed RNG states govern them as before. Only
+the 1-byte mask is kept for the backward pass. Off the CPU (CUDA's Philox dropout is already
+fast), under torch.compile and in eval mode this is ``torch.nn.functional.dropout``.
 
 The masks differ from torch's, so a run's losses depend on which generator drew them:
 ``set_mask_generator("torch")`` (the CLI's ``--dropout_masks torch``) restores torch's
