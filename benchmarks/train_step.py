@@ -18,8 +18,9 @@ DataModules give one (all True by default; ``--length-fraction`` pads a share).
 Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``softmax``
 (softmax.yaml, torch SDPA), ``macformer`` (rmfa_exp.yaml: RMFA exp + ppSBN), ``rmfa_nosbn``
 (the same without ppSBN), ``softmax_ppsbn`` (softmax_ppsbn.yaml), ``favor`` (favor.yaml),
-``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``release``
-(rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not in the default set), and
+``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``maclaurin_nosbn``
+(maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
+in the default set), and
 ``torch``: the same model written with torch's own modules,
 ``nn.TransformerEncoder(nn.TransformerEncoderLayer(d_model, nhead, ffn, dropout,
 activation="gelu", batch_first=True, norm_first=True), num_layers, norm=LayerNorm)`` with
@@ -223,6 +224,8 @@ def all_backends(config_dir: Path) -> list[Backend]:
                 "attention/linear.yaml"),
         Backend("macformer_learns", "degree-2 Maclaurin + ppSBN, temperature",
                 attention_yaml(config_dir, "maclaurin_ppsbn"), "attention/maclaurin_ppsbn.yaml"),
+        Backend("maclaurin_nosbn", "degree-2 Maclaurin, no ppSBN",
+                attention_yaml(config_dir, "maclaurin"), "attention/maclaurin.yaml"),
         Backend("release", "RMFA as released (prefix sums, row pre-SBN)",
                 attention_yaml(config_dir, "rmfa_exp_release"),
                 "attention/rmfa_exp_release.yaml"),
