@@ -103,9 +103,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
+from macformer_lit import yamlio
 from macformer_lit.attention import attention_cores, pieces
 from macformer_lit.attention.feature_attention import FeatureAttention
 from macformer_lit.attention.spec import sbn_options
@@ -164,7 +164,7 @@ def default_config_dir() -> Path:
 def load_preset(name: str, config_dir: Path, args) -> dict:
     """Everything a step needs from ``lra_<name>.yaml`` (JSON-able)."""
     path = config_dir / f"lra_{name}.yaml"
-    cfg = yaml.safe_load(path.read_text())
+    cfg = yamlio.load(path.read_text())
     init = dict(cfg["model"]["init_args"])
     data = cfg["data"]
     module, cls = data["class_path"].rsplit(".", 1)
@@ -191,9 +191,7 @@ def load_preset(name: str, config_dir: Path, args) -> dict:
 
 def attention_yaml(config_dir: Path, name: str) -> dict:
     return dict(
-        yaml.safe_load((config_dir / "attention" / f"{name}.yaml").read_text())["model"][
-            "attention"
-        ]
+        yamlio.load((config_dir / "attention" / f"{name}.yaml").read_text())["model"]["attention"]
     )
 
 

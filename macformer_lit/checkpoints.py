@@ -13,7 +13,11 @@
   command line's (a softmax checkpoint silently turned ``--config attention/rmfa_exp.yaml``
   into a softmax run, in a folder named after RMFA). Instead the model is built from what
   the command line asks for, and every setting the checkpoint contradicts is refused,
-  naming both values.
+  naming both values. A ``fit`` from a checkpoint is a resume: besides the model, its
+  whole config is compared with the config the checkpoint trained with (``resume_changes``):
+  a setting that changes what is trained is refused, one that may change (a later
+  ``max_steps``, logging, devices, observing callbacks) is returned to be recorded, and a
+  ``max_steps`` the checkpoint has reached is refused (docs/architecture.md §6).
 """
 
 from __future__ import annotations
@@ -304,6 +308,169 @@ def conflicts(
     return problems
 
 
+# ---- a resumed fit against the config it trained with -------------------------------------
+# Settings a resume may change, as they do not change what is trained: recorded as a dated
+# change in provenance.yaml. Limits: the checkpoint's step is checked against them
+# (``check_steps``); devices: an elastic resume (the data order follows the world size);
+# validation, logging, display and observing callbacks; where the data lives and how many
+# processes load it (the sampler, not the workers, orders it). Every other setting is refused.
+RESUME_MAY_CHANGE = (
+    "data.init_args.data_dir",
+    "data.init_args.num_workers",
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.max_time",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.val_check_interval",
+    "trainer.check_val_every_n_epoch",
+    "trainer.limit_val_batches",
+    "trainer.limit_test_batches",
+    "trainer.limit_predict_batches",
+    "trainer.num_sanity_val_steps",
+    "trainer.logger",
+    "trainer.log_every_n_steps",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.enable_checkpointing",
+    "trainer.profiler",
+    "telemetry",
+    "memory",
+    "test_after_fit",
+    "weights_only",
+    "wandb_mode",
+    "wandb_project",
+    # The standard callbacks but rng_states: restoring the RNG states changes the draws.
+    *(
+        f"run_callbacks.{k}"
+        for k in (
+            *("best_checkpoint", "save_top_k", "last_checkpoint", "save_on_sigterm"),
+            *("metrics_rows", "lr_monitor", "lr_logging_interval", "throughput"),
+        )
+    ),
+)
+# Where the run is and what it resumes: never compared.
+RESUME_NOT_COMPARED = ("ckpt_path", "experiment", "runs_dir", "trainer.default_root_dir", "config")
+# trainer.callbacks that only observe; a change among the others is refused.
+OBSERVING_CALLBACKS = {
+    "LearningRateMonitor",
+    "DeviceStatsMonitor",
+    "ModelSummary",
+    "RichModelSummary",
+    "TQDMProgressBar",
+    "RichProgressBar",
+    "ModelCheckpoint",
+    "ThroughputMemoryMonitor",
+}
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of the mappings in ``config``; lists are values (``betas``, devices)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten_config(value, name))
+        else:
+            out[name] = _plain(value)
+    return out
+
+
+def _under(key: str, prefixes: Sequence[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _acting_callbacks(value: Any) -> Any:
+    """``trainer.callbacks`` without those that only observe."""
+    if not isinstance(value, tuple):
+        value = () if value is None else (value,)
+    return tuple(
+        c
+        for c in value
+        if not (
+            isinstance(c, Mapping)
+            and str(c.get("class_path", "")).rsplit(".", 1)[-1] in OBSERVING_CALLBACKS
+        )
+    )
+
+
+def resume_changes(
+    saved: Mapping[str, Any], run: Mapping[str, Any], *, skip: Sequence[str] = ()
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """``saved`` (the config the checkpoint trained with) against ``run`` (this command's):
+    the refused differences as ``key: checkpoint has A, this run B``, and the allowed ones
+    as ``{key, old, new}``. Keys one side lacks (an option added or removed since) and the
+    keys in ``skip`` (compared elsewhere) are not compared."""
+    old, new = flatten_config(saved), flatten_config(run)
+    refused, allowed = [], []
+    for key in sorted(set(old) & set(new)):
+        if _under(key, RESUME_NOT_COMPARED) or key in skip or old[key] == new[key]:
+            continue
+        change = {"key": key, "old": old[key], "new": new[key]}
+        if key == "trainer.callbacks":
+            ok = _acting_callbacks(old[key]) == _acting_callbacks(new[key])
+        else:
+            ok = _under(key, RESUME_MAY_CHANGE)
+        if ok:
+            allowed.append(change)
+        else:
+            refused.append(f"{key}: checkpoint has {_show(old[key])}, this run {_show(new[key])}")
+    return refused, [_yaml_ready(c) for c in allowed]
+
+
+def _yaml_ready(change: dict[str, Any]) -> dict[str, Any]:
+    def plain(v):
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        return [plain(x) for x in v] if isinstance(v, tuple) else v
+
+    return {k: plain(v) for k, v in change.items()}
+
+
+def _tested(run_dir: Path) -> bool:
+    """Whether the run folder's ``metrics.csv`` holds a test result (a cut file counts as
+    tested: the resume is then refused, not guessed)."""
+    from macformer_lit.metrics_file import MetricsFileError, read_metrics_rows
+
+    metrics = run_dir / "metrics.csv"
+    try:
+        rows = read_metrics_rows(metrics) if metrics.is_file() else []
+    except (MetricsFileError, OSError):
+        return True
+    return any(v for row in rows for k, v in row.items() if k.startswith("test/"))
+
+
+def check_steps(path: Path, checkpoint: Mapping[str, Any], run: Mapping[str, Any]) -> str | None:
+    """Refuse a fit whose ``max_steps`` (or, without one, ``max_epochs``) the checkpoint has
+    already reached: Lightning would train nothing and exit as if it had. One case goes on,
+    said in the returned note: training reached exactly its ``max_steps`` but the test after
+    fit never completed (killed or failed), so that test is all the command has left to do
+    (a sweep retrying the point relies on it)."""
+    trainer = run.get("trainer") or {}
+    step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+    max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
+    limit = None
+    if isinstance(max_steps, int) and max_steps >= 0 and isinstance(step, int):
+        if max_steps <= step:
+            limit = ("max_steps", max_steps, "step", step)
+    elif isinstance(max_epochs, int) and max_epochs >= 0 and isinstance(epoch, int):
+        if max_epochs <= epoch:
+            limit = ("max_epochs", max_epochs, "epoch", epoch)
+    if limit is None:
+        return None
+    name, value, unit, reached = limit
+    if value == reached and run.get("test_after_fit") and not _tested(path.parent.parent):
+        return (
+            f"the checkpoint {path} is at {unit} {reached}, this fit's {name}: training is "
+            "finished and its test after fit never completed, so only that test runs"
+        )
+    raise CheckpointError(
+        f"--trainer.{name} {value}: the checkpoint {path} is at {unit} {reached} already, so "
+        f"this fit would train nothing; to train on, pass --trainer.{name} above {reached}; "
+        f"to score it, run test with --ckpt_path {path}"
+    )
+
+
 def check_fits(
     path: Path,
     checkpoint: Mapping[str, Any],
@@ -311,23 +478,58 @@ def check_fits(
     *,
     subcommand: str,
     run_class_path: str | None = None,
-) -> None:
-    """Refuse a checkpoint whose saved settings contradict this run's, naming both values."""
+    saved_config: Mapping[str, Any] | None = None,
+    run_config: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Refuse a checkpoint whose saved settings contradict this run's, naming both values.
+
+    For a ``fit`` given both configs (the one the checkpoint trained with and this run's,
+    as plain mappings), also refuse every other setting that changes what is trained, and
+    a ``max_steps`` already reached; return the allowed changes, to be recorded.
+    """
     saved = checkpoint.get("hyper_parameters") or {}
     problems = conflicts(saved, run, subcommand=subcommand, run_class_path=run_class_path)
-    if not problems:
-        return
-    hint = "run with the settings it was trained with"
+    changes: list[dict[str, Any]] = []
+    resume = subcommand == "fit" and saved_config is not None and run_config is not None
+    if resume:
+        # Model options the hyper-parameters compared keep their short names there.
+        compared = [f"model.init_args.{k}" for k in _compared_keys(saved, run, subcommand)]
+        refused, changes = resume_changes(saved_config, run_config, skip=compared)
+        problems += refused
+    if problems:
+        _refuse(path, problems, subcommand=subcommand)
+    if subcommand == "fit" and run_config is not None:
+        note = check_steps(path, checkpoint, run_config)
+        if note:
+            print(f"macformer_lit: note: {note}", flush=True)
+    return changes
+
+
+def _compared_keys(saved: Mapping[str, Any], run: Mapping[str, Any], subcommand: str) -> list:
+    keys = list(STRUCTURAL) + (list(OPTIMIZER_SETTINGS) if subcommand == "fit" else [])
+    return [k for k in keys if k in saved and k in run]
+
+
+def _refuse(path: Path, problems: list[str], *, subcommand: str) -> None:
     config = path.parent.parent / "config.yaml"
-    if config.is_file():
-        hint += f" (they are in {config})"
-    if any(p.split(":")[0] in DATA_LINKED for p in problems):
+    where = f" (they are in {config})" if config.is_file() else ""
+    keys = [p.split(":")[0] for p in problems]
+    if subcommand == "fit":
+        why = "a resume continues the same training"
+        if any(k in OPTIMIZER_SETTINGS for k in keys):
+            why += ", with the checkpoint's optimiser and learning-rate schedule"
+        raise CheckpointError(
+            f"this resume would change what is trained (--ckpt_path {path}): "
+            + "; ".join(problems)
+            + f". {why[0].upper()}{why[1:]}: resume with the settings it trained with{where}, "
+            "or leave out --ckpt_path to start a new run with these settings"
+        )
+    hint = f"run with the settings it was trained with{where}"
+    if any(k in DATA_LINKED for k in keys):
         hint += (
             "; the data side differs (vocabulary, tokenizer or max_len): use the data "
             "settings it was trained with"
         )
-    elif subcommand == "fit" and any(p.split(":")[0] in OPTIMIZER_SETTINGS for p in problems):
-        hint += "; a resumed fit continues the checkpoint's optimiser and learning-rate schedule"
     raise CheckpointError(
         f"this checkpoint does not fit the model of this run (--ckpt_path {path}): "
         + "; ".join(problems)

@@ -6,9 +6,11 @@ the shipped ``configs/`` folder, and lays out each run as
 
     runs/<experiment>/version_<n>/{config.yaml, metrics.csv, checkpoints/, wandb/}
 
-with a CSV logger and Weights & Biases (offline without credentials) by default.
-``--ckpt_path last`` resumes from the newest version of the experiment that has a
-``checkpoints/last.ckpt``, and keeps writing into that version.
+with a CSV logger and Weights & Biases (offline without credentials) by default, and
+``provenance.yaml`` recording what ran (``provenance.py``). ``--ckpt_path last`` resumes from
+the newest version of the experiment that has a ``checkpoints/last.ckpt``, and keeps writing
+into that version; a resume that would change what is trained is refused
+(``checkpoints.check_fits``), and the first ``config.yaml`` is never rewritten.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from lightning.pytorch.utilities.exceptions import (  # noqa: E402
     SIGTERMException,
 )
 
+from macformer_lit import locks, provenance  # noqa: E402
 from macformer_lit.attention.spec import (  # noqa: E402
     AttentionSpec,
     as_spec,
@@ -57,6 +60,7 @@ from macformer_lit.callbacks import (  # noqa: E402
 from macformer_lit.callbacks.predictions import PredictionWriter  # noqa: E402
 from macformer_lit.callbacks.standard import RunCallbacks  # noqa: E402
 from macformer_lit.checkpoints import (  # noqa: E402
+    CheckpointError,
     SafeCheckpointIO,
     check_fits,
     load_checkpoint,
@@ -71,6 +75,7 @@ from macformer_lit.preflight import (  # noqa: E402
     check_folder,
     check_model_size,
     check_trainer_values,
+    install_parser_loaders,
     short_parse_error,
 )
 from macformer_lit.runs import (  # noqa: E402
@@ -122,6 +127,48 @@ class ShareRunDir(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "validate":
             self._started()
+
+
+class RecordRun(L.Callback):
+    """``provenance.yaml``: one entry when this process's first loop starts (rank 0), so a
+    run that fails to start records nothing; and every checkpoint carries the config it
+    trained with, which a resume is compared with (``checkpoints.check_fits``)."""
+
+    def __init__(self, cli: MacformerCLI) -> None:
+        self.cli = cli
+        self.written = False
+
+    def _record(self, trainer: L.Trainer, *_) -> None:
+        if self.written or not trainer.is_global_zero:
+            return
+        self.written = True
+        cli = self.cli
+        trainer_cfg = cli._cfg(cli.config).get("trainer") or {}
+        provenance.append(
+            cli.run_dir,
+            provenance.entry(
+                trainer,
+                subcommand=cli.subcommand,
+                argv=cli.original_argv,
+                asked_precision=trainer_cfg.get("precision"),
+                checkpoint=cli._checkpoint_info,
+                changes=cli._resume_changes,
+            ),
+        )
+
+    on_train_start = on_test_start = on_predict_start = _record
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._record(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self.cli._run_config is not None:
+            checkpoint[provenance.CHECKPOINT_KEY] = {
+                "config": self.cli._run_config,
+                "precision": str(trainer.precision),
+                "world_size": trainer.world_size,
+            }
 
 
 # DataModule attributes linked into the model; a link whose source or target is absent is
@@ -203,9 +250,9 @@ class SaveRunConfig(SaveConfigCallback):
         config = self.parser.dump(self.config, skip_none=False, format="yaml")
         for lg in trainer.loggers:
             if isinstance(lg, AutoWandbLogger):
-                import yaml
+                from macformer_lit import yamlio
 
-                lg.experiment.config.update({"cli": yaml.safe_load(config)}, allow_val_change=True)
+                lg.experiment.config.update({"cli": yamlio.load(config)}, allow_val_change=True)
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -310,6 +357,7 @@ class _Parser(LightningArgumentParser):
 class MacformerCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         _show_package_logs()
+        install_parser_loaders()  # a key given twice in any YAML is refused
         self.original_argv = list(sys.argv[1:] if args is None else args)
         if args is None:
             # Rewrite sys.argv itself: LightningCLI warns when given both args and argv.
@@ -336,7 +384,7 @@ class MacformerCLI(LightningCLI):
             },
             parser_class=_Parser,
             save_config_callback=SaveRunConfig,
-            # A resumed run writes into its own folder again; its config is the same.
+            # Only new folders get a config.yaml (a resume in place skips it: instantiate_trainer).
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
             args=argv,
@@ -399,6 +447,9 @@ class MacformerCLI(LightningCLI):
         experiment = cfg.get("experiment") or "+".join(self.config_stems) or "default"
         exp_dir = Path(cfg.get("runs_dir") or "runs") / experiment
         self.resuming = False
+        self._run_config = None  # this run's config, plain (a fit's; recorded in checkpoints)
+        self._resume_changes: list[dict] = []
+        self._checkpoint_info = None
         # Our checkpoints hold only tensors and plain containers: load them without
         # unpickling arbitrary objects unless the user asks otherwise (--weights_only false).
         if "weights_only" in cfg and cfg.get("weights_only") is None:
@@ -412,17 +463,29 @@ class MacformerCLI(LightningCLI):
             self._checkpoint = load_checkpoint(
                 resolved, weights_only=cfg.get("weights_only") is not False, mmap=True
             )
+            self._checkpoint_info = {
+                "path": str(resolved),
+                "step": self._checkpoint.get("global_step"),
+            }
             model = cfg.get("model")
             init = model.get("init_args") if model is not None and "init_args" in model else None
+            saved_config = None
+            if self.subcommand == "fit":
+                self._run_config = self._plain_config(cfg)
+                saved_config = self._saved_config(resolved)
             if init is not None:
-                check_fits(
+                self._resume_changes = check_fits(
                     resolved,
                     self._checkpoint,
                     # The data-linked sizes are known once the data is built.
                     {k: v for k, v in vars(init).items() if k not in LINKED},
                     subcommand=self.subcommand,
                     run_class_path=model.get("class_path"),
+                    saved_config=saved_config,
+                    run_config=self._run_config,
                 )
+        elif self.subcommand == "fit":
+            self._run_config = self._plain_config(cfg)
         if self.subcommand == "fit" and asked == "last":
             found = None if resolved is None else resolved.parent.parent
             if found is None:
@@ -449,8 +512,42 @@ class MacformerCLI(LightningCLI):
                 _PENDING.append(folder)
                 self.run_dir = folder.claim()
                 os.environ[RUN_DIR_ENV] = str(self.run_dir)
+        if os.environ.get("LOCAL_RANK", "0") == "0" and launch_rank() == 0:
+            # One process writes a run folder; the other ranks write into rank 0's.
+            locks.note(locks.hold(self.run_dir, self.subcommand or "run"))
         self.experiment = experiment
         set_mask_generator(cfg.get("dropout_masks") or "fast")
+
+    def _plain_config(self, cfg) -> dict:
+        """This run's config as config.yaml would hold it, as plain YAML values."""
+        import yaml
+
+        text = self._parser(self.subcommand).dump(cfg, skip_none=False, skip_check=True)
+        return yaml.safe_load(text) or {}
+
+    def _saved_config(self, ckpt: Path) -> dict | None:
+        """The config the checkpoint trained with: recorded in it, else its run folder's
+        ``config.yaml`` with the changes its resumes recorded; None when neither exists."""
+        import yaml
+
+        from macformer_lit import yamlio
+
+        recorded = self._checkpoint.get(provenance.CHECKPOINT_KEY)
+        if isinstance(recorded, dict) and isinstance(recorded.get("config"), dict):
+            return recorded["config"]
+        folder = ckpt.parent.parent
+        try:
+            config = yamlio.load_file(folder / "config.yaml")
+            entries = provenance.read(folder)
+        except (OSError, yaml.YAMLError, UnicodeDecodeError, provenance.RecordError):
+            config = None
+        if not isinstance(config, dict):
+            rank_zero_info(
+                f"--ckpt_path {ckpt}: no config recorded with it or beside it; only its model "
+                "settings are compared with this run's"
+            )
+            return None
+        return provenance.effective_config(config, entries)
 
     def _preflight(self, cfg) -> None:
         """Names, paths, trainer values and sizes, checked before anything is built."""
@@ -542,9 +639,10 @@ class MacformerCLI(LightningCLI):
             kwargs["plugins"] = [*plugins, SafeCheckpointIO(weights_only=safe)]
         if self.subcommand == "predict":
             callbacks.append(PredictionWriter())
+        callbacks.append(RecordRun(self))
         kwargs["callbacks"] = callbacks
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, TypeError, MisconfigurationException) as err:
             # Lightning's own checks while building the Trainer (accelerator, strategy,
             # devices, precision, loop limits): a settings problem, worth one line rather
@@ -555,6 +653,30 @@ class MacformerCLI(LightningCLI):
             if "gpu" in str(err).lower() or "cuda" in str(err).lower():
                 hint = " (on a machine without a GPU use --trainer.accelerator cpu or auto)"
             raise ValueError(f"invalid trainer settings: {err}{hint}") from None
+        self._check_precision(trainer)
+        for callback in trainer.callbacks:
+            # The first config.yaml of a run stays; a resume's changes go to provenance.yaml.
+            if isinstance(callback, SaveRunConfig) and self.resuming:
+                callback.save_to_log_dir = False
+        return trainer
+
+    def _check_precision(self, trainer: L.Trainer) -> None:
+        """A resumed fit trains in the precision its checkpoint trained in: the same
+        ``--trainer.precision`` can run another one on another machine (16-mixed runs bf16
+        on a CPU, fp16 on a GPU)."""
+        if self.subcommand != "fit" or self._checkpoint is None:
+            return
+        recorded = self._checkpoint.get(provenance.CHECKPOINT_KEY)
+        used = recorded.get("precision") if isinstance(recorded, dict) else None
+        if used is not None and used != str(trainer.precision):
+            path = self._checkpoint_info["path"]
+            raise CheckpointError(
+                f"this resume would change what is trained (--ckpt_path {path}): precision: "
+                f"checkpoint trained in {used}, this run would train in {trainer.precision} "
+                f"on {type(trainer.accelerator).__name__.replace('Accelerator', '')}. A resume "
+                f"continues the same training: resume where --trainer.precision runs {used}, "
+                "or leave out --ckpt_path to start a new run with these settings"
+            )
 
     def before_fit(self) -> None:
         # The test after fit reads the test split: an empty one stops the run now.
@@ -699,6 +821,7 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     finally:
         _PENDING.clear()
+        locks.release_all()
 
 
 def _close_process_group() -> None:

@@ -21,6 +21,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from macformer_lit.metrics_file import append_whole, csv_text, replace_whole
+
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "online", "offline", "disabled"]
@@ -108,12 +110,44 @@ class AutoWandbLogger(WandbLogger):
 
 
 class _AppendingWriter(ExperimentWriter):
-    """Appends to an existing ``metrics.csv`` (a resumed run) instead of deleting it."""
+    """Appends to an existing ``metrics.csv`` (a resumed run) instead of deleting it, and
+    writes rows whole: appended in one write, or the file replaced at once when a new
+    column changes the header (Lightning rewrites it in place, where a kill loses it)."""
 
     def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if text and not text.endswith("\n"):
+            # A row cut by a kill (before rows were written whole): appending after it
+            # would glue the next row onto it.
+            cut = text.rfind("\n") + 1
+            log.warning(
+                "%s, line %d: dropped a row the file ended inside (its writer was stopped mid-row)",
+                path,
+                text.count("\n", 0, cut) + 1,
+            )
+            replace_whole(path, text[:cut])
+        with open(path, newline="", encoding="utf-8") as file:
+            self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+    def save(self) -> None:
+        if not self.metrics:
+            return
+        path = Path(self.metrics_file_path)
+        new_keys = self._record_new_keys()
+        if path.is_file() and not new_keys:
+            append_whole(path, csv_text(self.metrics, self.metrics_keys))
+        else:
+            old = []
+            if path.is_file():
+                with open(path, newline="", encoding="utf-8") as f:
+                    old = list(csv.DictReader(f))
+            header = csv_text([self.metrics_keys])
+            replace_whole(path, header + csv_text(old + self.metrics, self.metrics_keys))
+        self.metrics = []
 
 
 class RunCSVLogger(CSVLogger):

@@ -4,8 +4,10 @@ Each mistake a user can make on the command line or in a config file stops the r
 one line naming the problem and the fix (``UsageError``), before data is read, a model is
 built or a run folder exists:
 
-- config files: YAML syntax (file, line and column), tab characters, an empty file or one
-  whose top level is not a mapping (``check_config_file``);
+- config files: YAML syntax (file, line and column), a key given twice in one mapping, tab
+  characters, an empty file or one whose top level is not a mapping (``check_config_file``);
+  the same duplicate check on every YAML jsonargparse loads, inline values included
+  (``install_parser_loaders``);
 - a value of the wrong type or not among the choices: jsonargparse's many-line union
   report shortened to the option, the expected values and the given one
   (``short_parse_error``);
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from macformer_lit import yamlio
 
 
 class UsageError(SystemExit):
@@ -46,14 +50,9 @@ def check_config_file(path: str) -> None:
                 "with spaces only: replace the tab by spaces"
             )
     try:
-        data = yaml.safe_load(text)
+        data = yamlio.load(text)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        context = getattr(err, "context", None)
-        detail = f"{context}: {problem}" if context else problem
-        raise UsageError(f"config {path}{where}: not valid YAML ({detail})") from None
+        raise UsageError(yamlio.describe(err, f"config {path}")) from None
     if data is None:
         raise UsageError(
             f"config {path} is empty: a config is a mapping of settings, e.g. "
@@ -64,6 +63,43 @@ def check_config_file(path: str) -> None:
             f"config {path} holds a {type(data).__name__} at its top level: a config is a "
             "mapping of settings, e.g. 'trainer: {max_steps: 100}'"
         )
+
+
+def install_parser_loaders() -> None:
+    """jsonargparse loads every config and inline YAML value with a loader that refuses a
+    key given twice (``UsageError`` naming the file, or the value, and the line): its own
+    loaders keep the last duplicate, or, for an inline mapping, take the text as a string."""
+    from jsonargparse import get_loader, set_loader
+
+    for mode in ("yaml", "omegaconf"):
+        try:
+            base = get_loader(mode)
+        except KeyError:  # jsonargparse makes its omegaconf loader on first use
+            try:
+                from jsonargparse._optionals import get_omegaconf_loader  # no public getter
+            except ImportError:
+                continue
+            base = get_omegaconf_loader(mode)
+        if getattr(base, "refuses_duplicate_keys", False):
+            continue
+        set_loader(mode, _refusing_duplicates(base), (yaml.YAMLError,))
+
+
+def _refusing_duplicates(base):
+    def load(value: str, path: str = "") -> Any:
+        try:
+            yamlio.check_unique_keys(value)
+        except yamlio.DuplicateKeyError as err:
+            one_line = " ".join(value.split())
+            what = f"config {path}" if path else f"YAML value {one_line[:60]!r}"
+            # SystemExit: jsonargparse treats a loader's errors as "not YAML, a string".
+            raise UsageError(yamlio.describe(err, what)) from None
+        except yaml.YAMLError:
+            pass  # not YAML: jsonargparse decides what the text is, as it always did
+        return base(value)
+
+    load.refuses_duplicate_keys = True
+    return load
 
 
 # ---- jsonargparse's errors -------------------------------------------------------------

@@ -8,7 +8,8 @@ parent folder is searched recursively) and writes to ``--out``:
   time and peak memory relative to the softmax row with the same settings (absolute values
   in the softmax row); CPU or GPU; and the attention telemetry at the end of training: NMSE
   against the exact kernel (the last logged ``telemetry/layer*/nmse``, mean over layers)
-  beside uniform attention's (``nmse_uniform``). With ``--lra_table`` (on by default when
+  beside uniform attention's (``nmse_uniform``); the device names and commits the runs'
+  ``provenance.yaml`` records. With ``--lra_table`` (on by default when
   an LRA task was run): the papers' ListOps numbers beside ours, and a row with its command
   for each LRA task not run. Every folder not counted is listed under "Skipped" with why.
 - ``report.png``: test accuracy against relative training time.
@@ -21,8 +22,11 @@ Only finished fits count: a ``test/acc`` logged after training reached the confi
 ``trainer.max_steps`` (or ``max_epochs``). Runs group by their whole config except the seeds
 and run bookkeeping (names, paths, W&B, loggers, what is measured or displayed), so runs of
 different data or tokenizers never average together; of two runs of one seed in a group,
-the later in path order is kept. Time is ``train/time_sec`` (training steps only); memory
-is peak GPU memory on GPU runs, peak process RSS on CPU runs, and the table says which.
+the later in path order is kept. Runs whose records (``provenance.yaml``) differ in code,
+versions, precision or world size are not averaged unless ``--allow_mixed``
+(docs/architecture.md §6); a resume's recorded changes apply over ``config.yaml``. Time is
+``train/time_sec`` (training steps only); memory is peak GPU memory on GPU runs, peak
+process RSS on CPU runs, and the table says which.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from pathlib import Path
 
 import yaml
 
+from macformer_lit import provenance, yamlio
+from macformer_lit.metrics_file import MetricsFileError, read_metrics_rows
 from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
 
 TASK_NAMES = {
@@ -100,11 +106,14 @@ CSV_FIELDS = [
     "mem_rel",
     "mem_kind",
     "device",
+    "machine",
+    "commit",
     "softmax_time_sec",
     "softmax_peak_mem_mb",
     "nmse",
     "nmse_uniform",
     "runs",
+    "mixed",
     "command",
     "macformer_command",
 ]
@@ -132,6 +141,7 @@ class Run:
     val_acc: Series = field(default_factory=list)
     telemetry: dict[str, Series] = field(default_factory=dict)
     val_majority: float | None = None  # the validation split's majority-class share
+    record: dict[str, str] = field(default_factory=dict)  # provenance.summary of the run
 
 
 def backend_label(attention: dict | None) -> str:
@@ -192,7 +202,9 @@ def _seed(value) -> int | None:
 
 def read_config(path: Path) -> dict:
     try:
-        config = yaml.safe_load((path / "config.yaml").read_text())
+        config = yamlio.load((path / "config.yaml").read_text())
+    except yamlio.DuplicateKeyError as err:
+        raise Skip(yamlio.describe(err, "config.yaml")) from None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise Skip(f"config.yaml is not valid YAML ({first})") from None
@@ -205,10 +217,9 @@ def read_config(path: Path) -> dict:
 
 def read_metrics(path: Path) -> list[dict]:
     try:
-        with open(path / "metrics.csv", newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-    except (UnicodeDecodeError, csv.Error) as err:
-        raise Skip(f"metrics.csv is not readable CSV ({err})") from None
+        rows = read_metrics_rows(path / "metrics.csv")
+    except MetricsFileError as err:  # a row cut short or mixed: its values cannot be trusted
+        raise Skip(str(err)) from None
     if not rows or "step" not in rows[0]:
         raise Skip("metrics.csv has no logged rows (no 'step' column)")
     return rows
@@ -273,6 +284,12 @@ def read_run(path: Path) -> Run:
     if not (path / "metrics.csv").is_file():
         raise Skip("not a run: config.yaml without metrics.csv")
     config = read_config(path)
+    try:
+        entries = provenance.read(path)
+    except provenance.RecordError as err:
+        raise Skip(str(err)) from None
+    # A resume records its changes there and leaves the first config.yaml as it was.
+    config = provenance.effective_config(config, entries)
     rows = read_metrics(path)
     check_finished(config, rows)
     data_class = str(config["data"].get("class_path", "?")).rsplit(".", 1)[-1]
@@ -300,6 +317,7 @@ def read_run(path: Path) -> Run:
         val_acc=[(float(r["step"]), v) for r, v in _values(rows, "val/acc") if r.get("step")],
         telemetry=telemetry,
         val_majority=next((v for _, v in _values(rows, "val/majority_acc")), None),
+        record=provenance.summary(entries),
     )
 
 
@@ -371,6 +389,63 @@ def collect(paths: list[Path], out: Path | None = None) -> tuple[list[Run], list
 def device_of(run: Run) -> str:
     """CPU or GPU, from the memory metric the run logged."""
     return "GPU" if run.mem_kind == "GPU" else "CPU"
+
+
+def identity(run: Run) -> dict[str, str]:
+    """What runs averaged together must share (``provenance.code_identity``); CUDA's version
+    is compared among GPU runs only (a CPU run does not use it)."""
+    ident = provenance.code_identity(run.record)
+    if device_of(run) == "CPU":
+        ident.pop("cuda", None)
+    return ident
+
+
+def _where(path: Path) -> str:
+    return "/".join(path.parts[-2:])
+
+
+def differences(runs: list[Run]) -> list[str]:
+    """``field: value in run, value in run`` for each recorded field the runs disagree on."""
+    idents = [identity(r) for r in runs]
+    out = []
+    for key in [k for k in idents[0] if all(k in i for i in idents[1:])]:
+        holders: dict[str, list[str]] = {}
+        for run, ident in zip(runs, idents):
+            holders.setdefault(str(ident[key]), []).append(_where(run.path))
+        if len(holders) > 1:
+            out.append(
+                f"{key}: " + " vs ".join(f"{v} ({' '.join(ws)})" for v, ws in holders.items())
+            )
+    return out
+
+
+def commit_text(run: Run) -> str:
+    """The run's commit(s), ``*`` where the package had uncommitted changes."""
+    return run.record.get("commit", provenance.UNKNOWN) + (
+        "*" if "True" in run.record.get("dirty", "") else ""
+    )
+
+
+def commits_text(runs: list[Run]) -> str:
+    """A row's commits; ``†`` where a run recorded no digest of its code."""
+    text = _distinct(commit_text(r) for r in runs)
+    unknown = any(r.record.get("digest", provenance.UNKNOWN) == provenance.UNKNOWN for r in runs)
+    return text + (" †" if unknown else "")
+
+
+def machine_text(run: Run) -> str:
+    """GPU runs: the device names; CPU runs: the CPU model and intra-op threads."""
+    record = run.record
+    if device_of(run) == "GPU":
+        return record.get("devices", provenance.UNKNOWN)
+    cpu, threads = record.get("cpu", provenance.UNKNOWN), record.get("threads", provenance.UNKNOWN)
+    if cpu == provenance.UNKNOWN and threads == provenance.UNKNOWN:
+        return provenance.UNKNOWN
+    return f"{cpu}, {threads} thread{'' if threads == '1' else 's'}"
+
+
+def _distinct(texts) -> str:
+    return ", ".join(dict.fromkeys(texts))
 
 
 def config_key(run: Run) -> tuple:
@@ -465,11 +540,15 @@ def summarise(runs: list[Run]) -> tuple[list[dict], dict[tuple, list[Run]]]:
                 "mem_rel": mem / base_mem if mem and base_mem else None,
                 "mem_kind": "/".join(sorted({r.mem_kind for r in rs})),
                 "device": device_of(rs[0]),
+                "machine": "; ".join(dict.fromkeys(machine_text(r) for r in rs)),
+                "commit": commits_text(rs),
                 "softmax_time_sec": base_time,
                 "softmax_peak_mem_mb": base_mem,
                 "nmse": _mean([r.nmse for r in rs if r.nmse is not None]),
                 "nmse_uniform": _mean([r.nmse_uniform for r in rs if r.nmse_uniform is not None]),
                 "runs": ";".join(str(r.path) for r in rs),
+                "_mixed": differences(rs),
+                "mixed": "; ".join(differences(rs)),
                 "command": None,
                 "_key": key,
             }
@@ -532,8 +611,8 @@ def markdown(
 ) -> str:
     lines = [
         "| task | attention | setting | seeds | test acc (%) | time (× softmax) "
-        "| peak memory (× softmax) | device | NMSE vs exact | NMSE uniform |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| peak memory (× softmax) | device | commit | NMSE vs exact | NMSE uniform |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         time, mem = _fmt(r["time_rel"], ".2f"), _fmt(r["mem_rel"], ".2f")
@@ -545,13 +624,13 @@ def markdown(
             mem += f" ({r['mem_kind']})"
         lines.append(
             f"| {r['task']} | {r['backend']} | {r['setting'] or '–'} | {r['seeds']} | {_acc(r)} "
-            f"| {time} | {mem} | {r['device']} | {_fmt(r['nmse'], '.2e')} "
+            f"| {time} | {mem} | {_device_cell(r)} | {r['commit']} | {_fmt(r['nmse'], '.2e')} "
             f"| {_fmt(r['nmse_uniform'], '.2e')} |"
         )
     for r in missing:
         lines.append(
             f"| {r['task']} | – | not run: `{r['command']}` (Macformer: add "
-            f"`--config {MACFORMER_CONFIG}`) | 0 | not run | – | – | – | – | – |"
+            f"`--config {MACFORMER_CONFIG}`) | 0 | not run | – | – | – | – | – | – |"
         )
     lines += [
         "",
@@ -560,8 +639,13 @@ def markdown(
         "- time: training steps only (`train/time_sec`); memory: peak GPU memory, or peak "
         "process RSS on CPU runs; both relative to the softmax row with the same settings, "
         "whose absolute values are in parentheses.",
-        "- device: CPU or GPU, read from the memory metric the run logged; config.yaml and "
-        "metrics.csv do not record the machine's model.",
+        "- device: CPU or GPU, read from the memory metric the run logged, with what the runs' "
+        "`provenance.yaml` records (GPU names; CPU model and intra-op threads); commit: the "
+        "commits the runs ran (`*`: with uncommitted changes to the package; unknown: not "
+        "recorded; †: some runs recorded no digest of their code, as in records recovered "
+        "after the run: they average only with runs that recorded none either). Runs are "
+        "averaged only where their recorded code, versions, precision and world size agree "
+        "(docs/architecture.md §6), unless `--allow_mixed`.",
         "- NMSE: the attention telemetry's last logged `telemetry/layer*/nmse` against the "
         "exact kernel, mean over layers (then over seeds), beside uniform attention's "
         "(`nmse_uniform`); – where the run logged no telemetry.",
@@ -611,10 +695,39 @@ def markdown(
             "The papers' numbers are on LRA's ListOps (trees of 500–2000 tokens, "
             "`lra_listops.yaml`); a run on other tree lengths is not comparable to them.",
         ]
+    mixed = mixed_rows(rows, groups, lra_table)
+    if mixed:
+        lines += ["", "## Averaged with --allow_mixed", ""]
+        lines += [f"- {label}: {'; '.join(diffs)}" for label, diffs in mixed]
     lines += ["", "## Skipped", ""]
     skipped = sorted(skipped, key=lambda item: _natural(item[0]))
     lines += [f"- `{p}`: {why}" for p, why in skipped] or ["None."]
     return "\n".join(lines) + "\n"
+
+
+def _device_cell(row: dict) -> str:
+    known = row["machine"] not in ("", provenance.UNKNOWN)
+    return f"{row['device']} ({row['machine']})" if known else row["device"]
+
+
+def _row_label(row: dict) -> str:
+    setting = f" [{row['setting']}]" if row["setting"] else ""
+    return f"{row['task']} {row['backend']}{setting} ({row['device']})"
+
+
+def mixed_rows(
+    rows: list[dict], groups: dict[tuple, list[Run]], lra_table: bool
+) -> list[tuple[str, list[str]]]:
+    """Each row (and, with the papers' table, each pooling of a config's rows over devices)
+    that would average runs whose recorded code or settings differ, with the differences."""
+    out = [(_row_label(r), r["_mixed"]) for r in rows if r.get("_mixed")]
+    if lra_table:
+        ours = [r for r in rows if r["task"] == "ListOps"]
+        for label, setting, _, runs in _pooled_over_devices(ours, groups):
+            if len({device_of(r) for r in runs}) > 1 and (diffs := differences(runs)):
+                where = f" [{setting}]" if setting else ""
+                out.append((f"ListOps {label}{where} pooled over devices", diffs))
+    return out
 
 
 def _pooled_over_devices(rows: list[dict], groups: dict[tuple, list[Run]]):
@@ -771,6 +884,13 @@ def main(argv: list[str] | None = None) -> None:
         help="the papers' ListOps numbers and the LRA tasks not run (auto: when an LRA task "
         "was run)",
     )
+    parser.add_argument(
+        "--allow_mixed",
+        action="store_true",
+        help="average runs whose recorded code (commit, uncommitted changes, versions) or "
+        "precision and world size differ; the table then lists each difference (default: "
+        "refuse, naming them)",
+    )
     args = parser.parse_args(argv)
     runs, skipped = collect(args.runs, args.out)
     if not runs:
@@ -785,6 +905,14 @@ def main(argv: list[str] | None = None) -> None:
         args.lra_table == "auto" and any(r["task"] in LRA_CONFIGS for r in rows)
     )
     missing = not_run_rows(rows) if lra else []
+    mixed = mixed_rows(rows, groups, lra)
+    if mixed and not args.allow_mixed:
+        raise SystemExit(
+            "report: error: runs whose recorded code or settings differ would be averaged: "
+            + "; ".join(f"{label}: {'; '.join(diffs)}" for label, diffs in mixed)
+            + ". Rerun them alike or report them apart; --allow_mixed averages them anyway "
+            "and lists each difference under the table"
+        )
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows + missing, out / "report.csv")

@@ -1,8 +1,16 @@
 """``python -m macformer_lit sweep FILE``: a grid of CLI runs, a results table and a plot.
 
 Each grid point is one ``python -m macformer_lit <command> ...`` subprocess, so a failing
-run is reported and the others go on. A point that finished is not run again; an
-interrupted ``fit`` resumes from its ``last.ckpt`` (``--ckpt_path last``). Afterwards the
+run is reported and the others go on. Before any runs, every point's command is parsed by the
+CLI's own parser in this process (``resolve_settings``): settings every point shares that do
+not parse stop the sweep once; a point whose own settings do not parse fails without
+starting. A point whose run finished with the settings it resolves to now is not run again;
+one whose settings changed since runs again into a new version (``--no_rerun_changed``:
+refused), and is never tabled as done with its old run; an interrupted ``fit`` resumes from
+its ``last.ckpt`` (``--ckpt_path last``) when that run had the same settings, else starts a
+new version. One whole-grid sweep per sweep folder and one process per point at a time
+(``locks``). A run whose ``metrics.csv`` holds a row that is not whole is flagged in the
+table (``bad metrics.csv``), its numbers left out. Afterwards the
 sweep writes ``results.md`` and ``results.csv`` (final and best validation loss, PPL and
 BLEU, test BLEU, time, peak memory, throughput per run), ``results_mean.*`` (mean ± sample
 standard deviation, n-1, over the seed axes) and ``curves.png`` (the metrics per epoch: one
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import itertools
 import json
 import math
@@ -62,8 +71,11 @@ from typing import Any
 
 import yaml
 
+from macformer_lit import locks, provenance, yamlio
+from macformer_lit.metrics_file import MetricsFileError, read_metrics_rows, replace_whole
 from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
 from macformer_lit.preflight import UsageError, check_config_file
+from macformer_lit.report import BOOKKEEPING
 from macformer_lit.runs import newest_version
 
 FILE_KEYS = {"name", "command", "config", "args", "axes", "plot", "report"}
@@ -96,11 +108,11 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise SweepError(f"sweep file {path} does not exist")
     try:
-        check_config_file(str(path))  # YAML syntax, tabs, empty, not a mapping: one line
+        # YAML syntax, keys given twice, tabs, empty, not a mapping: one line
+        check_config_file(str(path))
     except UsageError as err:
         raise SweepError(f"sweep {err.code} (name, config, args, axes, ...)") from None
-    with open(path, encoding="utf-8") as f:
-        spec = yaml.safe_load(f)
+    spec = yamlio.load_file(path)
     unknown = sorted(set(spec) - FILE_KEYS)
     if unknown:
         raise SweepError(
@@ -121,6 +133,14 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
                 raise SweepError(f"{path}: {axis}={label}: overrides must be a mapping or empty")
             if not re.fullmatch(r"[\w.+-]+", str(label)):
                 raise SweepError(f"{path}: label {label!r} of axis {axis!r} must be a plain word")
+        # YAML tells 0 from "0"; a point's folder and --point do not.
+        texts = [str(label) for label in values]
+        twice = sorted({t for t in texts if texts.count(t) > 1})
+        if twice:
+            raise SweepError(
+                f"{path}: axis {axis!r} has the label {twice[0]!r} twice (once quoted, once "
+                "not): labels are compared as text; keep one"
+            )
     if not isinstance(spec.get("args") or {}, dict):
         raise SweepError(f"{path}: 'args' must be a mapping of dotted keys to values")
     plot = spec.setdefault("plot", {}) or {}
@@ -176,7 +196,9 @@ def run_command(
     runs_dir: Path,
     wandb_mode: str,
     extra: list[str],
+    resume: bool = True,
 ) -> list[str]:
+    """The point's command line; ``resume``: a fit goes on from its run's ``last.ckpt``."""
     configs = as_list(spec.get("config"))
     overrides = dict(spec.get("args") or {})
     for axis, label in point.items():
@@ -188,9 +210,11 @@ def run_command(
         cmd += ["--config", resolve_config(name, spec["path"])]
     for key, value in overrides.items():
         cmd += [f"--{key}", cli_value(value)]
-    cmd += ["--runs_dir", str(runs_dir / spec["name"]), "--experiment", point_name(point)]
+    # No point: the settings every point shares (checked once, before any point runs).
+    experiment = point_name(point) or "shared"
+    cmd += ["--runs_dir", str(runs_dir / spec["name"]), "--experiment", experiment]
     cmd += ["--wandb_mode", wandb_mode]
-    if spec["command"] == "fit":
+    if spec["command"] == "fit" and resume:
         cmd += ["--ckpt_path", "last"]
     return cmd + extra
 
@@ -198,6 +222,118 @@ def run_command(
 def _label_key(values: dict, label: str):
     # YAML may have read a label such as 0 or 1e-3 as a number.
     return next(k for k in values if str(k) == label)
+
+
+# ---- a point's settings against its run's -------------------------------------------------
+class _Resolved(Exception):
+    """Carries a command line's resolved config out of the CLI before it builds anything."""
+
+
+def resolve_settings(cmd: list[str]) -> dict[str, Any] | str | None:
+    """The config ``cmd`` (a CLI command line) resolves to, as its run's ``config.yaml``
+    records it; the CLI's one-line error when it does not parse; None when the check itself
+    failed (the run then reports for itself). In this process: the CLI's parser and checks,
+    nothing built."""
+    from macformer_lit import cli  # torch and Lightning: only once runs are checked
+
+    class Resolve(cli.MacformerCLI):
+        def parse_arguments(self, parser, args) -> None:
+            super().parse_arguments(parser, args)  # with the CLI's checks (preflight)
+            sub = self.config["subcommand"]
+            self._check_attention(self.config[sub])
+            raise _Resolved(self._parser(sub).dump(self.config[sub], skip_none=False))
+
+    try:
+        Resolve(cmd[cmd.index("macformer_lit") + 1 :])
+    except _Resolved as done:
+        return yamlio.load(done.args[0])
+    except SystemExit as err:  # UsageError, an unknown config, --help
+        if not err.code:
+            return None
+        text = str(err.code).removeprefix("macformer_lit: error: ")
+        return text.splitlines()[0].strip()
+    except (ValueError, OSError) as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    except Exception:
+        return None
+    return None
+
+
+def resolve_points(
+    spec: dict[str, Any], points: list[dict[str, str]], **how: Any
+) -> dict[str, dict | str | None]:
+    """Each point's resolved settings (``resolve_settings``), by point name.
+
+    Raises ``SweepError`` when every point fails with the error of the settings they share
+    (config, args, the arguments after '--'): one line for the sweep, not one per point."""
+    resolved = {point_name(p): resolve_settings(run_command(spec, p, **how)) for p in points}
+    errors = {v for v in resolved.values() if isinstance(v, str)}
+    if len(errors) == 1 and all(isinstance(v, str) for v in resolved.values()):
+        shared = resolve_settings(run_command(spec, {}, **how))
+        if isinstance(shared, str) and shared in errors:
+            raise SweepError(
+                f"{spec['path']}: the settings every point shares (config, args and the "
+                f"arguments after '--') do not parse: {shared}"
+            )
+    return resolved
+
+
+def option_values(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config's options by dotted name, each value whole (an attention spec is one
+    value, so a key added to it is a change)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and "class_path" in value:
+            out[f"{key}.class_path"] = value["class_path"]
+            for k, v in (value.get("init_args") or {}).items():
+                out[f"{key}.init_args.{k}"] = v
+        elif isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _text(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def changed_settings(recorded: dict[str, Any], resolved: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for each option whose value differs. Bookkeeping (names, paths,
+    W&B, what is logged: ``report.BOOKKEEPING``) is not compared, nor an option the run's
+    ``config.yaml`` lacks (the code gained it since), nor ``seed_everything: true`` (a new
+    random seed every run)."""
+    old, new = option_values(recorded), option_values(resolved)
+    changes = []
+    for key, value in new.items():
+        if key not in old or any(key == b or key.startswith(b + ".") for b in BOOKKEEPING):
+            continue
+        if key == "seed_everything" and value is True:
+            continue
+        if old[key] != value:
+            changes.append(f"{key}: {_text(old[key])} -> {_text(value)}")
+    return changes
+
+
+def run_changes(run_dir: str | Path | None, settings: dict | str | None) -> list[str]:
+    """How ``settings`` differ from the run in ``run_dir`` (its ``config.yaml``); [] when
+    they do not, or cannot be compared (``settings`` unknown)."""
+    if not isinstance(settings, dict):
+        return []
+    path = Path(run_dir or "") / "config.yaml"
+    if not run_dir or not path.is_file():
+        return [f"{path.parent}: no config.yaml records what ran"]
+    try:
+        recorded = yamlio.load(path.read_text(encoding="utf-8"))
+        if isinstance(recorded, dict):
+            # With the changes its resumes recorded (a resume never rewrites config.yaml).
+            recorded = provenance.effective_config(recorded, provenance.read(path.parent))
+    except (yaml.YAMLError, UnicodeDecodeError, provenance.RecordError) as err:
+        return [f"{path.parent}: its records cannot be read ({str(err).splitlines()[0]})"]
+    if not isinstance(recorded, dict):
+        return [f"{path} is not a run config"]
+    return changed_settings(recorded, settings)
 
 
 # ---- running -------------------------------------------------------------------------------
@@ -232,20 +368,100 @@ def run_point(
     extra: list[str],
     retry_failed: bool,
     label: str = "",
+    settings: dict | str | None = None,
+    rerun_changed: bool = True,
 ) -> dict[str, Any]:
+    """Run one point unless its run is done with ``settings`` (``resolve_settings``); one
+    process at a time per point folder (``locks``)."""
     folder = point_dir(spec, point, runs_dir)
-    status = read_status(folder)
     name = point_name(point)
-    if status and status.get("status") == "done":
-        print(f"{label}{name}: done before, skipped ({status.get('run_dir')})", flush=True)
-        return status
+    try:
+        locks.note(locks.hold(folder, "sweep"))
+    except locks.FolderInUse as err:
+        print(f"{label}{name}: skipped: {err.code}", flush=True)
+        return {"status": "busy", "error": str(err.code)}
+    try:
+        return _run_point(
+            spec,
+            point,
+            folder,
+            runs_dir=runs_dir,
+            wandb_mode=wandb_mode,
+            extra=extra,
+            retry_failed=retry_failed,
+            label=f"{label}{name}: ",
+            settings=settings,
+            rerun_changed=rerun_changed,
+        )
+    finally:
+        locks.release(folder)
+
+
+def _run_point(
+    spec: dict[str, Any],
+    point: dict[str, str],
+    folder: Path,
+    *,
+    runs_dir: Path,
+    wandb_mode: str,
+    extra: list[str],
+    retry_failed: bool,
+    label: str,
+    settings: dict | str | None,
+    rerun_changed: bool,
+) -> dict[str, Any]:
+    status = located_status(folder)
+    done = bool(status) and status.get("status") == "done"
     if status and status.get("status") == "failed" and not retry_failed:
-        print(f"{label}{name}: failed before, skipped (--no_retry_failed)", flush=True)
+        print(f"{label}failed before, skipped (--no_retry_failed)", flush=True)
         return status
-    cmd = run_command(spec, point, runs_dir=runs_dir, wandb_mode=wandb_mode, extra=extra)
-    folder.mkdir(parents=True, exist_ok=True)
+    how = {"runs_dir": runs_dir, "wandb_mode": wandb_mode, "extra": extra}
+    cmd = run_command(spec, point, **how)
+    if isinstance(settings, str):
+        # The CLI would stop at once: say so without starting it (a done run's record stays).
+        print(f"{label}FAILED (its settings do not parse): {settings}", flush=True)
+        failed = {
+            "status": "failed",
+            "returncode": 2,
+            "wall_time_s": 0.0,
+            "run_dir": None,
+            "point": point,
+            "command": shlex.join(cmd),
+            "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "error": settings,
+        }
+        if not done:
+            with open(folder / LOG_FILE, "a", encoding="utf-8") as log:
+                log.write(f"$ {shlex.join(cmd)}\nmacformer_lit: error: {settings}\n")
+            (folder / STATUS_FILE).write_text(json.dumps(failed, indent=2))
+        return {**(status or {}), **failed} if done else failed
+    replaces = None
+    if done:
+        changes = run_changes(status.get("run_dir"), settings)
+        if not changes:
+            print(f"{label}done before, skipped ({status.get('run_dir')})", flush=True)
+            return status
+        why = f"settings changed since its run {status.get('run_dir')}: {'; '.join(changes)}"
+        if not rerun_changed:
+            print(f"{label}{why}; not run again (--no_rerun_changed)", flush=True)
+            return {**status, "status": "changed", "error": why}
+        print(f"{label}{why}; running it again into a new version", flush=True)
+        cmd, replaces = run_command(spec, point, **how, resume=False), status.get("run_dir")
+    elif spec["command"] == "fit":
+        # --ckpt_path last goes on from the newest last.ckpt: only a run of these settings.
+        from macformer_lit.checkpoints import newest_checkpoint
+
+        last = newest_checkpoint(folder, "last")
+        changes = run_changes(last.parent.parent, settings) if last else []
+        if changes:
+            print(
+                f"{label}its unfinished run {last.parent.parent} had other settings "
+                f"({'; '.join(changes)}): starting a new version instead of resuming it",
+                flush=True,
+            )
+            cmd = run_command(spec, point, **how, resume=False)
     log_path = folder / LOG_FILE
-    print(f"{label}{name}: running (log: {log_path})", flush=True)
+    print(f"{label}running (log: {log_path})", flush=True)
     env = dict(os.environ)
     env.setdefault("WANDB_RUN_GROUP", str(spec["name"]))
     env.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
@@ -253,9 +469,12 @@ def run_point(
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
+        offset = log.tell()
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     elapsed = time.perf_counter() - start
-    text = log_path.read_text(encoding="utf-8", errors="replace")
+    with open(log_path, encoding="utf-8", errors="replace") as log:
+        log.seek(offset)
+        text = log.read()  # this run's output only: an earlier run's folder is not this one's
     found = re.findall(r"^Run folder: (.+)$", text, flags=re.MULTILINE)
     run_dir = found[-1].strip() if found else (str(newest_version(folder) or "") or None)
     status = {
@@ -267,11 +486,13 @@ def run_point(
         "command": shlex.join(cmd),
         "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    if replaces:
+        status["replaces"] = replaces  # the run of the settings before, kept
     if proc.returncode != 0:
         status["error"] = last_error(text)
-        print(f"{label}{name}: FAILED (exit {proc.returncode}): {status['error']}", flush=True)
+        print(f"{label}FAILED (exit {proc.returncode}): {status['error']}", flush=True)
     else:
-        print(f"{label}{name}: done in {elapsed:.0f} s ({run_dir})", flush=True)
+        print(f"{label}done in {elapsed:.0f} s ({run_dir})", flush=True)
     (folder / STATUS_FILE).write_text(json.dumps(status, indent=2))
     return status
 
@@ -299,13 +520,13 @@ def last_error(text: str) -> str:
 
 # ---- results -------------------------------------------------------------------------------
 def read_metrics(run_dir: str | Path | None) -> list[dict[str, str]]:
+    """A run's metrics.csv rows; ``MetricsFileError`` names a row that is not whole."""
     if not run_dir:
         return []
     path = Path(run_dir) / "metrics.csv"
     if not path.is_file():
         return []
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+    return read_metrics_rows(path)
 
 
 def series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
@@ -329,9 +550,13 @@ def summarise(
     spec: dict[str, Any], point: dict[str, str], status: dict[str, Any] | None
 ) -> dict[str, Any]:
     status = status or {"status": "not run"}
-    rows = read_metrics(status.get("run_dir"))
     out: dict[str, Any] = {"run": point_name(point), **point}
     out["status"] = status["status"]
+    try:
+        rows = read_metrics(status.get("run_dir"))
+    except MetricsFileError as err:  # its numbers cannot be trusted: none are tabled
+        rows, status = [], {**status, "status": "bad metrics.csv", "error": str(err)}
+        out["status"] = status["status"]
     if status["status"] == "failed":
         out["status"] = f"failed (exit {status.get('returncode')})"
     loss, ppl, bleu = (series(rows, k) for k in ("val/loss", "val/ppl", "val/bleu"))
@@ -378,10 +603,12 @@ def write_tables(
 ) -> tuple[Path, Path]:
     cols = columns_of(table)
     csv_path, md_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.md"
-    with open(csv_path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(table)
+    # Whole files, renamed into place: a sweep --point beside another may write them too.
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=cols, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(table)
+    replace_whole(csv_path, text.getvalue())
     # Markdown shows a mean and its standard deviation in one cell: "m ± s".
     md_cols = [
         c
@@ -404,7 +631,7 @@ def write_tables(
     if failed:
         lines += ["", "Failed runs:", ""]
         lines += [f"- `{row['run']}`: {row['error']}" for row in failed]
-    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    replace_whole(md_path, "\n".join(lines) + "\n")
     return md_path, csv_path
 
 
@@ -447,7 +674,10 @@ def method_curves(
     """Per method, in grid order, each of its runs' ``(epoch, value)`` points of ``key``."""
     curves: dict[str, list[list[tuple[float, float]]]] = {}
     for point, status in zip(points, statuses):
-        rows = read_metrics((status or {}).get("run_dir"))
+        try:
+            rows = read_metrics((status or {}).get("run_dir"))
+        except MetricsFileError:
+            rows = []  # flagged in the table
         run = [(float(e + 1), v) for e, v in series(rows, key)]
         curves.setdefault(method_of(spec, point), []).append(run)
     return curves
@@ -490,14 +720,40 @@ def plot_curves(
     if dashed and style_axis not in over:
         title += f"; {style_axis} {', '.join(sorted(dashed))} dashed"
     fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
     plt.close(fig)
     return path
 
 
-def report(spec: dict[str, Any], runs_dir: Path) -> dict[str, Path]:
+def checked_status(
+    status: dict[str, Any] | None, settings: dict | str | None
+) -> dict[str, Any] | None:
+    """A done point's status, unless its settings now differ from its run's or do not parse
+    (``resolve_settings``): then it is not tabled as done."""
+    if not status or status.get("status") != "done":
+        return status
+    if isinstance(settings, str):
+        return {**status, "status": "failed", "returncode": 2, "error": settings}
+    changes = run_changes(status.get("run_dir"), settings)
+    if changes:
+        why = f"settings changed since this run: {'; '.join(changes)}"
+        return {**status, "status": "changed", "error": why}
+    return status
+
+
+def report(
+    spec: dict[str, Any], runs_dir: Path, resolved: dict[str, Any] | None = None
+) -> dict[str, Path]:
+    """The tables and plot; ``resolved`` (``resolve_points``) checks each done run's
+    settings against the sweep file's."""
     points = grid(spec)
     statuses = [located_status(point_dir(spec, p, runs_dir)) for p in points]
+    if resolved is not None:
+        statuses = [
+            checked_status(s, resolved.get(point_name(p))) for p, s in zip(points, statuses)
+        ]
     table = [summarise(spec, p, s) for p, s in zip(points, statuses)]
     out_dir = runs_dir / spec["name"]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -512,7 +768,8 @@ def report(spec: dict[str, Any], runs_dir: Path) -> dict[str, Path]:
             note=f"m ± s: mean and sample standard deviation (n−1) over the finished runs of "
             f"each row (runs), averaged over {', '.join(over)}; one run: no ±.",
         )
-    outputs["plot"] = plot_curves(spec, points, statuses, out_dir / "curves.png")
+    drawn = [s if (s or {}).get("status") != "changed" else None for s in statuses]
+    outputs["plot"] = plot_curves(spec, points, drawn, out_dir / "curves.png")
     return outputs
 
 
@@ -595,6 +852,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--report_only", action="store_true", help="only write the table and plot")
     p.add_argument("--no_retry_failed", action="store_true", help="do not rerun failed points")
+    p.add_argument(
+        "--no_rerun_changed",
+        action="store_true",
+        help="refuse, rather than run again into a new version, a point whose run is done "
+        "with other settings than the sweep file's now",
+    )
     p.add_argument("--wandb_sweep", metavar="OUT.yaml", help="write a W&B sweep config and exit")
     p.add_argument(
         "--point",
@@ -651,22 +914,46 @@ def _main(argv: list[str] | None) -> int:
                 )
             )
         return 0
+    how = {"runs_dir": runs_dir, "wandb_mode": args.wandb_mode, "extra": extra}
+    try:
+        # Every point's settings, before any runs: a run is done only with the same ones.
+        resolved = resolve_points(spec, grid(spec), **how)
+    except SweepError as err:
+        if not args.report_only:
+            print(f"macformer_lit sweep: error: {err}; nothing was run", file=sys.stderr)
+            return 2
+        print(f"macformer_lit sweep: warning: {err}; runs tabled unchecked", file=sys.stderr)
+        resolved = None
     failed = 0
     if not args.report_only:
-        for i, point in enumerate(points, 1):
-            status = run_point(
-                spec,
-                point,
-                runs_dir=runs_dir,
-                wandb_mode=args.wandb_mode,
-                extra=extra,
-                retry_failed=not args.no_retry_failed,
-                label=f"[{i}/{len(points)}] ",
-            )
-            failed += status.get("status") != "done"
-    outputs = report(spec, runs_dir)
+        sweep_dir = runs_dir / spec["name"]
+        try:
+            # One whole-grid sweep at a time; --point agents lock their point only.
+            if not args.point:
+                locks.note(locks.hold(sweep_dir, "sweep"))
+        except locks.FolderInUse as err:
+            print(f"macformer_lit sweep: error: {err.code}", file=sys.stderr)
+            return 2
+        try:
+            for i, point in enumerate(points, 1):
+                status = run_point(
+                    spec,
+                    point,
+                    **how,
+                    retry_failed=not args.no_retry_failed,
+                    label=f"[{i}/{len(points)}] ",
+                    settings=resolved.get(point_name(point)),
+                    rerun_changed=not args.no_rerun_changed,
+                )
+                failed += status.get("status") != "done"
+        finally:
+            locks.release(sweep_dir)
+    outputs = report(spec, runs_dir, resolved)
     print("\n".join(f"{k}: {v}" for k, v in outputs.items()))
     print((outputs["markdown"]).read_text())
     if failed:
-        print(f"{failed} of {len(points)} run(s) failed; see the table and each run's {LOG_FILE}")
+        print(
+            f"{failed} of {len(points)} point(s) not done; see the table and each point's "
+            f"{LOG_FILE}"
+        )
     return 1 if failed else 0

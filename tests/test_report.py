@@ -147,13 +147,17 @@ def test_table_numbers_come_from_the_runs_metrics(runs):
     std = statistics.stdev(acc)
     assert (
         f"| ListOps | softmax | data.tokenizer=official | 2 | {statistics.fmean(acc):.2f} ± "
-        f"{std:.2f} | 1.00 ({soft_time:.3g} s) | 1.00 ({soft_mem:.0f} MB RSS) | CPU "
+        f"{std:.2f} | 1.00 ({soft_time:.3g} s) | 1.00 ({soft_mem:.0f} MB RSS) "
+        f"| CPU ({soft['machine']}) | {soft['commit']} "
         f"| {nmse:.2e} | {float(soft['nmse_uniform']):.2e} |"
     ) in md
     assert (
         f"| ListOps | rmfa[exp]+ppSBN | data.tokenizer=official | 1 | {float(rmfa['test_acc']):.2f}"
-        f" | {rmfa_time / soft_time:.2f} | {rmfa_mem / soft_mem:.2f} (RSS) | CPU |"
+        f" | {rmfa_time / soft_time:.2f} | {rmfa_mem / soft_mem:.2f} (RSS) | CPU ("
     ) in md
+    # The device names and commit come from the runs' provenance.yaml.
+    assert soft["machine"].endswith(" thread") or soft["machine"].endswith(" threads")
+    assert soft["commit"]
     assert "mean ± sample standard deviation (n−1)" in md
 
 

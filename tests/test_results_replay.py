@@ -107,15 +107,20 @@ def test_committed_sweep_tables_regenerate(tmp_path, name):
 
 
 def test_committed_listops_report_regenerates(tmp_path):
-    """``report results/lra_listops --out results/lra_listops`` (results/lra_listops/README.md)
-    rebuilds the committed table from the committed runs."""
+    """``report results/lra_listops --out results/lra_listops --allow_mixed``
+    (results/lra_listops/README.md) rebuilds the committed table from the committed runs;
+    without ``--allow_mixed`` it refuses, naming the seeds whose recorded code differs."""
     from macformer_lit.report import main as report_main
 
     committed = RESULTS / "lra_listops"
     shutil.copytree(committed, tmp_path / "lra_listops")
     for table in ("report.csv", "report.md"):
         (tmp_path / "lra_listops" / table).unlink()
-    report_main([str(tmp_path / "lra_listops"), "--out", str(tmp_path / "lra_listops")])
+    out = str(tmp_path / "lra_listops")
+    with pytest.raises(SystemExit):
+        report_main([out, "--out", out])
+    assert not (tmp_path / "lra_listops" / "report.md").exists()
+    report_main([out, "--out", out, "--allow_mixed"])
     for table in ("report.csv", "report.md"):
         rebuilt = (tmp_path / "lra_listops" / table).read_text().replace(str(tmp_path), "results")
         assert rebuilt == (committed / table).read_text(), table

@@ -1,0 +1,260 @@
+"""What ran, recorded: every run folder's ``provenance.yaml`` (code, versions, machine, the
+precision that ran, world size, command line); ``report`` shows commit and device per row and
+refuses to average runs whose records differ unless ``--allow_mixed``; the committed results
+carry records recovered from their own files."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import lightning
+import pytest
+import torch
+import yaml
+
+from macformer_lit import provenance
+from macformer_lit.cli import main
+from macformer_lit.report import main as report_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny(root: Path, subcommand: str, *extra: str) -> list[str]:
+    return [
+        subcommand,
+        "--config",
+        "lra_listops.yaml",
+        "--data.data_dir",
+        str(root / "data"),
+        "--data.train_size",
+        "16",
+        "--data.val_size",
+        "8",
+        "--data.test_size",
+        "8",
+        "--data.batch_size",
+        "4",
+        "--runs_dir",
+        str(root / "runs"),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "1",
+        "--wandb_mode",
+        "disabled",
+        "--trainer.enable_progress_bar",
+        "false",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A finished tiny fit (4 steps, tested after), then a test of its last checkpoint."""
+    root = tmp_path_factory.mktemp("prov")
+    main(tiny(root, "fit", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
+              "--experiment", "a"))  # fmt: skip
+    main(tiny(root, "test", "--experiment", "a", "--ckpt_path", "last"))
+    return root, root / "runs/a/version_0"
+
+
+def test_a_fit_records_what_ran(fitted):
+    root, run = fitted
+    (entry,) = provenance.read(run)  # the test after fit is part of the fit: one entry
+    assert entry["subcommand"] == "fit"
+    assert entry["command"].startswith("python -m macformer_lit fit --config lra_listops.yaml")
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    assert entry["code"]["commit"] == (head or provenance.UNKNOWN)
+    assert isinstance(entry["code"]["dirty"], bool) or entry["code"]["dirty"] == "unknown"
+    assert entry["code"]["digest"] == provenance.package_digest()
+    assert entry["versions"]["torch"] == str(torch.__version__)
+    assert entry["versions"]["lightning"] == lightning.__version__
+    assert entry["versions"]["cuda"] == (torch.version.cuda or "none")
+    machine = entry["machine"]
+    assert machine["devices"] == ["cpu"] and machine["threads"] == torch.get_num_threads()
+    assert machine["cpu"] == provenance.cpu_model()
+    assert entry["precision"] == {"asked": None, "used": "32-true"}
+    assert entry["world_size"] == 1
+    # Every checkpoint carries the config it trained with.
+    ckpt = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
+    recorded = ckpt[provenance.CHECKPOINT_KEY]
+    assert recorded["config"]["trainer"]["max_steps"] == 4
+    assert recorded["precision"] == "32-true" and recorded["world_size"] == 1
+
+
+def test_an_evaluation_records_its_checkpoint(fitted):
+    root, run = fitted
+    (entry,) = provenance.read(root / "runs/a/version_1")
+    assert entry["subcommand"] == "test"
+    assert entry["checkpoint"] == {"path": str(run / "checkpoints/last.ckpt"), "step": 4}
+
+
+def test_the_precision_that_ran_is_recorded(tmp_path):
+    """16-mixed asked on a CPU runs bf16: the record says both."""
+    main(tiny(tmp_path, "fit", "--trainer.max_steps", "1", "--trainer.precision", "16-mixed",
+              "--test_after_fit", "false", "--experiment", "p"))  # fmt: skip
+    (entry,) = provenance.read(tmp_path / "runs/p/version_0")
+    assert entry["precision"] == {"asked": "16-mixed", "used": "bf16-mixed"}
+
+
+# ---- report ------------------------------------------------------------------------------
+def copies(fitted, tmp_path, *names: str) -> list[Path]:
+    """Copies of the finished run as further seeds (seed_everything 1, 2, ...)."""
+    _, run = fitted
+    out = []
+    for seed, name in enumerate(names, 1):
+        folder = tmp_path / "runs" / name
+        shutil.copytree(run, folder, ignore=shutil.ignore_patterns("checkpoints"))
+        config = folder / "config.yaml"
+        config.write_text(
+            config.read_text().replace("seed_everything: 42", f"seed_everything: {seed}")
+        )
+        out.append(folder)
+    return out
+
+
+def edit_record(folder: Path, **fields) -> None:
+    entries = provenance.read(folder)
+    for dotted, value in fields.items():
+        provenance.set_key(entries[0], dotted.replace("__", "."), value)
+    (folder / provenance.RECORD).write_text(yaml.safe_dump(entries, sort_keys=False))
+
+
+def report_error(tmp_path, *extra) -> str:
+    with pytest.raises(SystemExit) as err:
+        report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *extra])
+    return str(err.value.code)
+
+
+def test_report_shows_commit_and_device_and_averages_alike_runs(fitted, tmp_path):
+    one, _ = copies(fitted, tmp_path, "one", "two")
+    report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out/report.md").read_text()
+    summary = provenance.summary(provenance.read(one))
+    commit = summary["commit"] + ("*" if summary["dirty"] == "True" else "")
+    row = next(line for line in md.splitlines() if line.startswith("| ListOps | softmax"))
+    assert "| 2 |" in row  # both seeds in one row
+    assert f"| CPU ({summary['cpu']}, {summary['threads']} thread" in row
+    assert f"| {commit} |" in row
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("code__digest", "sha256:0000000000000000", "code: sha256:0000000000000000 (runs/one)"),
+        ("versions__torch", "2.11.0", "torch: 2.11.0 (runs/one)"),
+        ("precision__used", "bf16-mixed", "precision: bf16-mixed (runs/one)"),
+        ("world_size", 2, "world_size: 2 (runs/one)"),
+    ],
+)
+def test_report_refuses_to_average_runs_whose_records_differ(fitted, tmp_path, field, value, named):
+    one, _ = copies(fitted, tmp_path, "one", "two")
+    edit_record(one, **{field: value})
+    err = report_error(tmp_path)
+    assert err.startswith(
+        "report: error: runs whose recorded code or settings differ would be averaged: "
+        "ListOps softmax (CPU): "
+    ), err
+    assert named in err and " vs " in err and "(runs/two)" in err
+    assert "--allow_mixed averages them anyway" in err
+    assert "\n" not in err
+    assert not (tmp_path / "out").exists()
+    # Asked for, they are averaged, and the table lists the difference.
+    report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--allow_mixed"])
+    md = (tmp_path / "out/report.md").read_text()
+    assert "## Averaged with --allow_mixed" in md and named in md
+
+
+def test_runs_without_a_code_digest_average_only_with_one_another(fitted, tmp_path):
+    """The explicit rule for records that hold no digest (recovered after the run, or none
+    at all): ``unknown`` matches ``unknown`` only, and the row is marked †."""
+    one, two = copies(fitted, tmp_path, "one", "two")
+    edit_record(one, code__digest="unknown", code__commit="aaaaaaa", code__dirty=False)
+    err = report_error(tmp_path)
+    assert "code: unknown (runs/one) vs sha256:" in err
+    # Both without a digest (as the committed results' records): averaged, commits shown.
+    edit_record(two, code__digest="unknown", code__commit="bbbbbbb", code__dirty=True)
+    report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert "| aaaaaaa, bbbbbbb* † |" in (tmp_path / "out/report.md").read_text()
+    # Folders without any record (written before provenance.yaml) likewise, among themselves.
+    for folder in (one, two):
+        (folder / provenance.RECORD).unlink()
+    report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert "| unknown † |" in (tmp_path / "out/report.md").read_text()
+
+
+def test_report_applies_a_resumes_recorded_changes(fitted, tmp_path):
+    """config.yaml keeps the first max_steps; the resume's recorded change says the run was
+    meant to go on to step 8, so a fit tested at step 4 has not finished."""
+    (one,) = copies(fitted, tmp_path, "one")
+    record = dict(
+        provenance.read(one)[0], changes=[{"key": "trainer.max_steps", "old": 4, "new": 8}]
+    )
+    provenance.append(one, record)
+    report_main([str(tmp_path / "runs"), str(fitted[1]), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out/report.md").read_text()
+    assert "training stopped before its limit: tested at step 4 of trainer.max_steps 8" in md
+
+
+def test_an_unreadable_record_is_listed_as_skipped(fitted, tmp_path):
+    (one,) = copies(fitted, tmp_path, "one")
+    (one / provenance.RECORD).write_text("- when: [unclosed\n")
+    report_main([str(tmp_path / "runs"), str(fitted[1]), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out/report.md").read_text()
+    assert re.search(r"`[^`]*runs/one`: provenance\.yaml is not valid YAML", md), md
+
+
+# ---- the committed results ---------------------------------------------------------------
+COMMITTED = sorted(p.parent for p in (REPO / "results").rglob("config.yaml"))
+
+
+def test_every_committed_run_has_a_recovered_record():
+    assert len(COMMITTED) >= 20
+    digests = {}
+    for folder in COMMITTED:
+        (entry,) = provenance.read(folder)
+        assert "recovered" in entry and entry["sources"], folder
+        # The code digest is recovered from git at the recorded commit, never guessed.
+        commit = entry["code"]["commit"]
+        assert re.fullmatch(r"[0-9a-f]{7}", commit), folder
+        if commit not in digests:
+            digests[commit] = provenance.digest_at(commit)
+        if digests[commit] != provenance.UNKNOWN:  # a shallow clone lacks the commit
+            assert entry["code"]["digest"] == digests[commit], folder
+        header = (folder / "config.yaml").read_text().splitlines()[0]
+        assert header == f"# lightning.pytorch=={entry['versions']['lightning']}", folder
+    softmax = REPO / "results/lra_listops/lra_listops_table2"
+    commits = [
+        provenance.read(softmax / f"method=softmax,seed={s}/version_0")[0]["code"]["commit"]
+        for s in (0, 1, 2)
+    ]
+    assert commits == ["8d6b7af", "b74208e", "b9d72b4"]
+
+
+def test_digest_at_a_commit_equals_the_digest_of_that_checkout(tmp_path):
+    """Recovered records get their code digest from git: ``digest_at`` must hash a commit's
+    package exactly as ``package_digest`` hashes a checkout of it."""
+    import hashlib
+    import io
+    import tarfile
+
+    root = provenance.PACKAGE_DIR.parent
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", "--format=tar", "HEAD", "macformer_lit"],
+        capture_output=True,
+        check=False,
+    )
+    if archive.returncode != 0:
+        pytest.skip("not a git checkout")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    package = tmp_path / "macformer_lit"
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    assert provenance.digest_at("HEAD") == "sha256:" + digest.hexdigest()[:16]
+    assert provenance.digest_at("0" * 40) == provenance.UNKNOWN
