@@ -15,6 +15,7 @@ into that version; a resume that would change what is trained is refused
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -44,7 +45,7 @@ from lightning.pytorch.utilities.exceptions import (  # noqa: E402
     SIGTERMException,
 )
 
-from macformer_lit import locks, provenance  # noqa: E402
+from macformer_lit import interrupts, locks, provenance  # noqa: E402
 from macformer_lit.attention.spec import (  # noqa: E402
     AttentionSpec,
     as_spec,
@@ -66,15 +67,28 @@ from macformer_lit.checkpoints import (  # noqa: E402
     load_checkpoint,
     resolve_ckpt_path,
 )
-from macformer_lit.loggers import AutoWandbLogger, Mode, RunCSVLogger  # noqa: E402
+from macformer_lit.loggers import (  # noqa: E402
+    AutoWandbLogger,
+    Mode,
+    RunCSVLogger,
+    check_wandb_mode,
+    finish_wandb_quietly,
+)
 from macformer_lit.models.dropout import set_mask_generator  # noqa: E402
 from macformer_lit.preflight import (  # noqa: E402
     UsageError,
     check_config_file,
     check_experiment,
+    check_feature_memory,
     check_folder,
+    check_launch,
     check_model_size,
+    check_schedule,
+    check_seeds,
+    check_task_data,
+    check_task_given,
     check_trainer_values,
+    disk_full,
     install_parser_loaders,
     short_parse_error,
 )
@@ -178,6 +192,13 @@ LINKED = ("vocab_size", "num_classes", "max_len", "pad_id", "bos_id", "eos_id")
 
 class ConfigNotFound(SystemExit):
     pass
+
+
+def task_configs() -> list[str]:
+    """The shipped configs that name a model and data (the others are overlays)."""
+    return sorted(
+        p.name for p in CONFIG_DIR.glob("*.yaml") if "class_path:" in p.read_text(errors="replace")
+    )
 
 
 def shipped_configs() -> list[str]:
@@ -295,6 +316,24 @@ SUBCOMMANDS = {
 EPILOG = "subcommands: " + "; ".join(f"{k}: {v}" for k, v in SUBCOMMANDS.items())
 
 
+def _import_class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(import_module(module), name)
+
+
+def _is_task(model) -> bool:
+    """Whether the model config names one of our tasks (``LitTask``: linear-decay schedule)."""
+    class_path = model.get("class_path") if model is not None and "class_path" in model else None
+    if not isinstance(class_path, str):
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(import_module(module), name)
+    except Exception:  # not importable here: jsonargparse reports it
+        return False
+    return isinstance(cls, type) and issubclass(cls, LitTask)
+
+
 def attention_arguments(class_path: str | None) -> list[str]:
     """The model's options typed ``AttentionSpec`` (its attention specs): a task's own and
     its model classes' (``LitTask.option_hints``), or any other class's constructor's."""
@@ -357,14 +396,16 @@ class _Parser(LightningArgumentParser):
 class MacformerCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         _show_package_logs()
-        install_parser_loaders()  # a key given twice in any YAML is refused
         self.original_argv = list(sys.argv[1:] if args is None else args)
+        install_parser_loaders(self.original_argv)  # a key given twice in any YAML is refused
         if args is None:
             # Rewrite sys.argv itself: LightningCLI warns when given both args and argv.
             sys.argv[1:], self.config_stems = resolve_config_args(sys.argv[1:])
             argv = None
         else:
             argv, self.config_stems = resolve_config_args(list(args))
+        # An overlay config (attention/, schedule/) alone: one line naming a task config.
+        check_task_given(sys.argv[1:] if argv is None else argv, task_configs())
         super().__init__(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,
@@ -562,6 +603,23 @@ class MacformerCLI(LightningCLI):
             if os.environ.get("LOCAL_RANK", "0") == "0" and launch_rank() == 0:
                 print(f"macformer_lit: warning: {warning}", file=sys.stderr, flush=True)
         model = cfg.get("model")
+        # Launch and environment (preflight.py, loggers.py): each one line, before any build.
+        check_launch(cfg.get("trainer") or {})
+        check_seeds(cfg)
+        if self.config.get("subcommand") == "fit":
+            check_schedule(cfg.get("trainer") or {}, linear_decay=_is_task(model))
+        logger = (cfg.get("trainer") or {}).get("logger")
+        if (logger is None or logger is True) and cfg.get("wandb_mode") != "disabled":
+            check_wandb_mode(cfg.get("wandb_mode"))
+        try:  # a model and data of different tasks (preflight.check_task_data)
+            classes = (
+                _import_class(model.get("class_path")),
+                _import_class(data.get("class_path")),
+            )
+        except Exception:  # not importable here: jsonargparse reports it
+            classes = None
+        if classes is not None:
+            check_task_data(*classes, LINKED)
         init = model.get("init_args") if model is not None and "init_args" in model else None
         if init is not None:
             for key in attention_arguments(model.get("class_path")):
@@ -571,6 +629,22 @@ class MacformerCLI(LightningCLI):
             max_len = data_max if data_max is not None else init.get("max_len")
             source = "--data.max_len" if data_max is not None else "--model.init_args.max_len"
             check_model_size(max_len, init.get("d_model"), source=source)
+            d_model, heads = init.get("d_model"), init.get("num_heads")
+            for key in attention_arguments(model.get("class_path")):
+                spec = init.get(key)
+                if not (isinstance(d_model, int) and isinstance(heads, int) and heads > 0):
+                    break
+                # Before the trial build of _check_attention, which allocates the draw.
+                check_feature_memory(
+                    spec.as_dict() if hasattr(spec, "as_dict") else spec,
+                    where=f"model.init_args.{key}",
+                    batch_size=data_init.get("batch_size") if data_init is not None else None,
+                    max_len=max_len,
+                    num_heads=heads,
+                    head_dim=max(d_model // heads, 1),
+                    num_layers=init.get("num_layers", init.get("num_encoder_layers")),
+                    precision=(cfg.get("trainer") or {}).get("precision"),
+                )
 
     def _check_attention(self, cfg) -> None:
         """Every attention spec of the model (its arguments typed ``AttentionSpec``), checked
@@ -788,6 +862,22 @@ def majority_baseline(datamodule) -> float | None:
 
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
+    if args is None:
+        # A closed stdout or terminal (``fit ... | head -3``) never fails a run.
+        interrupts.forgiving_streams()
+    # SIGINT, SIGTERM and SIGHUP end in one line and 128 + the signal (_interrupted).
+    previous = interrupts.install()
+    try:
+        _main(args, argv)
+    except interrupts.Interrupted as err:  # sweep and report; the others answer in _main
+        with contextlib.suppress(OSError, ValueError):
+            print(f"macformer_lit: interrupted ({err.name})", file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None
+    finally:
+        interrupts.restore(previous)
+
+
+def _main(args: list[str] | None, argv: list[str]) -> None:
     if argv and argv[0] in ("sweep", "report"):
         import_module(f"macformer_lit.{argv[0]}").main(argv[1:])
         return
@@ -803,18 +893,25 @@ def main(args: list[str] | None = None) -> None:
         _close_process_group()
     except BaseException as err:
         _abandon_unstarted()
+        # W&B's closing lines ("You can sync this run ...") would print after the error.
+        finish_wandb_quietly()
         if isinstance(err, ConfigNotFound):
             print(err.code, file=sys.stderr)
             raise SystemExit(2) from None
         if isinstance(err, SIGTERMException):
-            # Stopped on purpose, last.ckpt saved: the shell's codes for SIGINT / SIGTERM.
-            raise SystemExit(130 if getattr(err, "stop_reason", "") == "Ctrl-C" else 143) from None
+            # Stopped on purpose, last.ckpt saved: the shell's code for the signal.
+            raise SystemExit(interrupts.exit_code(getattr(err, "stop_signal", 15))) from None
+        if isinstance(err, interrupts.Interrupted):
+            _interrupted(err, argv)
         if isinstance(err, UsageError):
             print(f"macformer_lit: error: {err.code}", file=sys.stderr)
             raise SystemExit(2) from None
         user_error = (
             _our_error(err) if isinstance(err, (ValueError, OSError, FloatingPointError)) else None
         )
+        if user_error is None:
+            # Lightning's or torch's writes too: one line.
+            user_error = disk_full(err, started=not _PENDING or any(f.kept for f in _PENDING))
         if user_error is None:
             raise
         print(f"macformer_lit: error: {user_error}", file=sys.stderr)
@@ -838,6 +935,29 @@ def _close_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _interrupted(err: interrupts.Interrupted, argv: list[str]) -> typing.NoReturn:
+    """One line for a stop signal outside a graceful fit loop, and 128 + the signal. An
+    interrupted ``validate``/``test``/``predict`` leaves no folder: it scored nothing whole."""
+    subcommand = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"
+    # A resumed fit claims no folder; a new one keeps its folder once training started.
+    started = not _PENDING or any(f.kept for f in _PENDING)
+    if subcommand != "fit":
+        for folder in _PENDING:
+            folder.kept = False
+        _abandon_unstarted()
+        what = f"{subcommand} interrupted ({err.name}); nothing was kept"
+    elif started:
+        what = (
+            f"fit interrupted ({err.name}) without saving; it goes on from its last checkpoint "
+            f"with: {resume_command(argv)}"
+        )
+    else:
+        what = f"fit interrupted ({err.name}) before training started; nothing was kept"
+    with contextlib.suppress(OSError, ValueError):
+        print(f"macformer_lit: {what}", file=sys.stderr, flush=True)
+    raise SystemExit(err.exit_code) from None
+
+
 def _abandon_unstarted() -> None:
     """Remove the run folders of a run that failed before any loop started, closing the
     offline W&B run inside first (its closing lines would bury the error)."""
@@ -850,7 +970,6 @@ def _abandon_unstarted() -> None:
         Path(run.dir).resolve().is_relative_to(f.resolve()) for f in folders
     )
     if inside:
-        import contextlib
         import io
 
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -4,6 +4,12 @@ With no API key (``WANDB_API_KEY``, or a password in the netrc entry for the W&B
 ``WANDB_BASE_URL``'s, default api.wandb.ai, in the file wandb reads, ``$NETRC`` or
 ``~/.netrc``) the run is written offline under ``<save_dir>/wandb/offline-run-*`` and the
 log says how to ``wandb sync`` it. ``WANDB_MODE`` in the environment wins over the guess.
+
+Online asked for explicitly (``--wandb_mode online`` or ``WANDB_MODE=online``) without a key
+is refused at parse time in one line (``check_wandb_mode``). With a key but no way to the
+server (no network, a firewall, a wrong ``WANDB_BASE_URL``) the run logs offline, saying so,
+after a probe bounded by ``WANDB_PROBE_TIMEOUT`` seconds (default 5): wandb itself waits
+~90 s and then raises.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import csv
 import logging
 import netrc
 import os
+import sys
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -55,6 +62,56 @@ def has_wandb_credentials() -> bool:
     return entry is not None and bool(entry[2])
 
 
+def check_wandb_mode(mode: Mode | None) -> None:
+    """Online W&B needs an API key: without one, wandb raises a 45-line traceback once the
+    run has started; here it is one line, before anything is built."""
+    from macformer_lit.preflight import UsageError
+
+    resolved = resolve_mode(mode or "auto")
+    if resolved != "online" or has_wandb_credentials():
+        return
+    asked = "--wandb_mode online" if mode == "online" else f"WANDB_MODE={os.environ['WANDB_MODE']}"
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    raise UsageError(
+        f"{asked}: no W&B API key found (WANDB_API_KEY, or a password for {host} in "
+        f"{netrc_path()}): run 'wandb login' or set WANDB_API_KEY; or log offline with "
+        "--wandb_mode offline, or not at all with --wandb_mode disabled"
+    )
+
+
+def probe_timeout() -> float:
+    try:
+        return max(0.1, float(os.environ.get("WANDB_PROBE_TIMEOUT", "5")))
+    except ValueError:
+        return 5.0
+
+
+def unreachable(url: str, timeout: float) -> str | None:
+    """Why ``url`` cannot be reached within ``timeout`` seconds, or None when it answers
+    (any HTTP status counts: the server is there). Run in a thread so that a name lookup,
+    which socket timeouts do not bound, cannot stall the run either."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(url, timeout=timeout).close()
+            result.append(None)
+        except urllib.error.HTTPError:
+            result.append(None)
+        except Exception as err:  # URLError, timeout, refused, bad URL: no server
+            reason = getattr(err, "reason", None) or err
+            result.append(str(reason) or type(err).__name__)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return result[0] if result else f"no answer within {timeout:g} s"
+
+
 def resolve_mode(mode: Mode) -> str:
     env = os.environ.get("WANDB_MODE")
     if mode == "auto":
@@ -82,6 +139,7 @@ class AutoWandbLogger(WandbLogger):
         resolved = resolve_mode(mode)
         if resolved == "offline" and mode == "auto":
             log.info("W&B: no credentials found, logging offline under %s/wandb", save_dir)
+        self._save_dir_for_notes = save_dir
         # Only rank 0 logs (and creates the run folder): under torchrun or SLURM the other
         # ranks start with their own guess of the folder, which must stay uncreated.
         if rank_zero_only.rank == 0:
@@ -102,11 +160,84 @@ class AutoWandbLogger(WandbLogger):
             self._wandb_init.pop("anonymous", None)
         self.mode = resolved
 
+    def _go_offline(self, why: str) -> str:
+        log.warning(
+            "W&B: %s: logging offline under %s/wandb instead; upload it later with "
+            "'wandb sync <that folder>'",
+            why,
+            self._save_dir_for_notes,
+        )
+        self._wandb_init["mode"] = "offline"
+        self._offline = True
+        self.mode = "offline"
+        return "offline"
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        """The wandb run; a server that answers the probe but refuses the run (a wrong URL,
+        an outage) gets the run offline, saying so, and a key it rejects one line."""
+        if self._experiment is None and self.mode == "online":
+            # Before wandb.init, which waits ~90 s for a server that does not answer.
+            base = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+            why = unreachable(base, probe_timeout())
+            if why is not None:
+                self._go_offline(f"cannot reach {base} ({why})")
+        try:
+            return WandbLogger.experiment.fget(self)
+        except Exception as err:
+            import wandb
+
+            if self.mode != "online" or not isinstance(err, wandb.errors.Error):
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            if isinstance(err, (wandb.errors.AuthenticationError, wandb.errors.UsageError)):
+                from macformer_lit.preflight import UsageError
+
+                raise UsageError(
+                    f"W&B refused the API key ({first}): check WANDB_API_KEY or run 'wandb "
+                    "login --relogin'; or log offline with --wandb_mode offline"
+                ) from None
+            with _quiet():
+                wandb.finish(exit_code=1)  # a half-started run would be reused
+            self._experiment = None
+            self._go_offline(f"the server did not start the run ({first[:200]})")
+            return WandbLogger.experiment.fget(self)
+
     def run_dir(self) -> str | None:
         """The local folder of this run (``wandb sync`` takes it), once the run exists."""
         if self._experiment is None:
             return None
         return str(Path(self._experiment.dir).parent)
+
+
+def _quiet():
+    import contextlib
+    import io
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+    stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    return stack
+
+
+def finish_wandb_quietly(exit_code: int = 1) -> None:
+    """Close this process's W&B run without its closing lines ("You can sync this run ...",
+    the run summary): printed at exit, after the error that ended the run, they would
+    bury it. The run's folder is kept; ``wandb sync`` still takes it."""
+    wandb = sys.modules.get("wandb")
+    if wandb is None or getattr(wandb, "run", None) is None:
+        return
+    try:
+        with _quiet():
+            wandb.finish(exit_code=exit_code)
+    except Exception:  # closing is best effort: the error being reported matters more
+        pass
+
+
+class MetricsWriteError(OSError):
+    def __str__(self) -> str:
+        return self.strerror  # the whole sentence, without "[Errno 28]"
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -133,21 +264,45 @@ class _AppendingWriter(ExperimentWriter):
         with open(path, newline="", encoding="utf-8") as file:
             self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
 
+    failed = False
+
     def save(self) -> None:
         if not self.metrics:
             return
         path = Path(self.metrics_file_path)
-        new_keys = self._record_new_keys()
-        if path.is_file() and not new_keys:
-            append_whole(path, csv_text(self.metrics, self.metrics_keys))
-        else:
-            old = []
-            if path.is_file():
-                with open(path, newline="", encoding="utf-8") as f:
-                    old = list(csv.DictReader(f))
-            header = csv_text([self.metrics_keys])
-            replace_whole(path, header + csv_text(old + self.metrics, self.metrics_keys))
+        self._record_new_keys()
+        try:
+            # Append only under the header the file has: after a failed save the keys may
+            # have grown without the file (the rows then go out with a new header).
+            if path.is_file() and _header(path) == self.metrics_keys:
+                append_whole(path, csv_text(self.metrics, self.metrics_keys))
+            else:
+                old = []
+                if path.is_file():
+                    with open(path, newline="", encoding="utf-8") as f:
+                        old = list(csv.DictReader(f))
+                header = csv_text([self.metrics_keys])
+                replace_whole(path, header + csv_text(old + self.metrics, self.metrics_keys))
+        except OSError as err:
+            # A full disk: one line naming the file. The rows stay, to be written whole by the
+            # next save once there is room; a save that fails again after that (the logger's
+            # finalize while this error unwinds) is silent, so this line stays the last.
+            if self.failed:
+                return
+            self.failed = True
+            raise MetricsWriteError(
+                err.errno,
+                f"could not write {path} ({err.strerror or err}): the rows written before are "
+                "intact; free disk space or point --runs_dir at another disk, then resume with "
+                "--ckpt_path last",
+            ) from None
         self.metrics = []
+        self.failed = False
+
+
+def _header(path: Path) -> list[str]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return next(csv.reader(f), [])
 
 
 class RunCSVLogger(CSVLogger):

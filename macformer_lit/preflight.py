@@ -14,9 +14,16 @@ built or a run folder exists:
 - trainer values Lightning would reject later, and a ``max_len`` whose position table
   cannot be allocated (``check_trainer_values``, ``check_model_size``);
 - paths: the runs folder and the data folder (``check_folder``), experiment names
-  (``check_experiment``).
+  (``check_experiment``);
+- launch and environment: several nodes without a cluster launcher (``check_launch``), a
+  fit with no end (``check_schedule``), seeds out of range (``check_seeds``), an inline
+  mapping or list that does not parse (the loaders above), an overlay config without a task
+  config (``check_task_given``), a model and data of different tasks (``check_task_data``),
+  random features that cannot fit in memory (``check_feature_memory``); W&B online without
+  a key is ``loggers.check_wandb_mode``.
 
-Then ``runs.RunFolder`` takes the run's folder.
+Then ``runs.RunFolder`` takes the run's folder. A write that fails for want of space later
+(a full disk while metrics are written) is one line too (``disk_full``, in ``cli.main``).
 """
 
 from __future__ import annotations
@@ -65,11 +72,27 @@ def check_config_file(path: str) -> None:
         )
 
 
-def install_parser_loaders() -> None:
+# The command line being parsed: an inline value's error names its option.
+_ARGV: list[str] = []
+
+
+def _option_of(value: str) -> str | None:
+    for i, arg in enumerate(_ARGV):
+        if arg.startswith("--") and i + 1 < len(_ARGV) and _ARGV[i + 1] == value:
+            return arg
+        if arg.startswith("--") and arg.endswith(f"={value}"):
+            return arg.split("=", 1)[0]
+    return None
+
+
+def install_parser_loaders(argv: list[str] | None = None) -> None:
     """jsonargparse loads every config and inline YAML value with a loader that refuses a
     key given twice (``UsageError`` naming the file, or the value, and the line): its own
-    loaders keep the last duplicate, or, for an inline mapping, take the text as a string."""
+    loaders keep the last duplicate, or, for an inline mapping, take the text as a string.
+    An inline value that opens a mapping or list and does not parse is refused too."""
     from jsonargparse import get_loader, set_loader
+
+    _ARGV[:] = list(argv or [])
 
     for mode in ("yaml", "omegaconf"):
         try:
@@ -87,15 +110,25 @@ def install_parser_loaders() -> None:
 
 def _refusing_duplicates(base):
     def load(value: str, path: str = "") -> Any:
+        one_line = " ".join(value.split()) if isinstance(value, str) else ""
+        what = f"config {path}" if path else f"YAML value {one_line[:60]!r}"
         try:
             yamlio.check_unique_keys(value)
         except yamlio.DuplicateKeyError as err:
-            one_line = " ".join(value.split())
-            what = f"config {path}" if path else f"YAML value {one_line[:60]!r}"
             # SystemExit: jsonargparse treats a loader's errors as "not YAML, a string".
             raise UsageError(yamlio.describe(err, what)) from None
-        except yaml.YAMLError:
-            pass  # not YAML: jsonargparse decides what the text is, as it always did
+        except yaml.YAMLError as err:
+            # Text that opens a YAML mapping or list and does not parse is a typo (an
+            # unclosed brace, a missing comma), not a string: jsonargparse would take it as
+            # one and fail far from the cause ("unknown attention backend '{name: rmfa'").
+            if not path and one_line[:1] in ("{", "["):
+                option = _option_of(value)
+                raise UsageError(
+                    (f"{option}: " if option else "")
+                    + f"{yamlio.describe(err, what)}: check its brackets, commas and quotes, and "
+                    "quote the whole value for the shell"
+                ) from None
+            # Otherwise not YAML: jsonargparse decides what the text is, as it always did.
         return base(value)
 
     load.refuses_duplicate_keys = True
@@ -292,3 +325,324 @@ def check_folder(path: str | os.PathLike, option: str, *, write: bool) -> None:
             f"{option} {path}: does not exist and cannot be created ({base} is not "
             f"writable): change {option}"
         )
+
+
+# ---- launch and environment ------------------------------------------------------------
+def cluster_environment() -> str | None:
+    """The launcher that started this process for a multi-node run, by the variables it
+    sets (Lightning detects the same ones), or None for a process started by hand."""
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID") or ("GROUP_RANK" in env and "WORLD_SIZE" in env):
+        return "torchrun"
+    # Lightning ignores SLURM for an interactive allocation (job name bash/interactive).
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM"
+    if {"LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_LOCAL_RANK"} <= env.keys():
+        return "LSF"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "MPI"
+    # A multi-node launch by hand (Lightning's own environment): each node sets these.
+    if "NODE_RANK" in env and "MASTER_ADDR" in env:
+        return "NODE_RANK/MASTER_ADDR"
+    return None
+
+
+def check_launch(trainer: Any) -> None:
+    """More than one node needs a launcher that starts the other nodes; without one, rank 0
+    waits for them forever ("MEMBER: 1/2"), its run folder made."""
+    get = trainer.get if hasattr(trainer, "get") else (lambda k, d=None: d)
+    nodes = get("num_nodes")
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes <= 1:
+        if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes < 1:
+            raise UsageError(f"--trainer.num_nodes {nodes}: must be at least 1")
+        return
+    plugins = get("plugins") or []
+    plugins = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    if any("Environment" in str(getattr(p, "class_path", p)) for p in plugins):
+        return  # the user named a cluster environment: it knows where the nodes are
+    if cluster_environment() is None:
+        raise UsageError(
+            f"--trainer.num_nodes {nodes}: no cluster launcher found (SLURM, torchrun, LSF, "
+            "MPI, or NODE_RANK and MASTER_ADDR set by hand), so this process would wait for the "
+            f"other {nodes - 1} node(s) forever: start it on every node with srun or "
+            f"'torchrun --nnodes {nodes} ...', or on one machine use --trainer.num_nodes 1 "
+            "--trainer.devices N"
+        )
+
+
+def check_schedule(trainer: Any, *, linear_decay: bool) -> None:
+    """A fit must end: Lightning quietly picks 1000 epochs when neither ``max_steps`` nor
+    ``max_epochs`` is set, and ``max_epochs -1`` never ends; the tasks' linear-decay schedule
+    also needs the number of steps up front (``estimated_stepping_batches``)."""
+    get = trainer.get if hasattr(trainer, "get") else (lambda k, d=None: d)
+    steps, epochs, max_time = get("max_steps"), get("max_epochs"), get("max_time")
+    if isinstance(steps, int) and steps >= 0:
+        return
+    fix = "set --trainer.max_steps N or --trainer.max_epochs N"
+    if epochs is None:
+        raise UsageError(
+            "neither --trainer.max_steps nor --trainer.max_epochs is set, so nothing says when "
+            f"training ends (Lightning would pick 1000 epochs): {fix}"
+        )
+    if isinstance(epochs, int) and epochs < 0:
+        if linear_decay:
+            raise UsageError(
+                f"--trainer.max_epochs {epochs} with no --trainer.max_steps: training never ends "
+                f"and the linear-decay learning-rate schedule needs its length: {fix}"
+            )
+        if max_time is None:
+            raise UsageError(
+                f"--trainer.max_epochs {epochs} with no --trainer.max_steps or "
+                f"--trainer.max_time: training never ends: {fix}"
+            )
+
+
+# numpy's legacy seeding and Lightning's seed_everything take 0 .. 2**32 - 1.
+SEED_MAX = 2**32 - 1
+
+
+def check_seeds(cfg: Any, prefix: str = "") -> None:
+    """``seed_everything`` and every option named ``seed`` or ``*_seed`` (data, redraws,
+    generators): an integer in 0 .. 2**32 - 1, refused here rather than deep inside numpy
+    or Lightning once data is generated or training has begun."""
+    items = cfg.items() if hasattr(cfg, "items") else []
+    for key, value in items:  # a jsonargparse Namespace yields dotted leaf keys
+        name, leaf = f"{prefix}{key}", str(key).rsplit(".", 1)[-1]
+        if leaf in ("seed_everything", "seed") or leaf.endswith("_seed"):
+            if isinstance(value, int) and not isinstance(value, bool):
+                if not 0 <= value <= SEED_MAX:
+                    raise UsageError(
+                        f"--{_option(name)} {value}: a seed must be an integer from 0 to "
+                        f"{SEED_MAX} (2**32 - 1): choose one in that range"
+                    )
+        elif hasattr(value, "items"):
+            check_seeds(value, f"{name}.")
+
+
+def _option(name: str) -> str:
+    """A config key as the command line spells it (``data.init_args.seed`` -> ``data.seed``)."""
+    return name.replace(".init_args.", ".")
+
+
+def disk_full(err: BaseException | None, *, started: bool = True) -> str | None:
+    """One line for a write that failed for want of space anywhere in ``err``'s chain
+    (Lightning's config.yaml and hparams.yaml, torch's checkpoints, our metrics.csv), or
+    None. A full disk is the user's to fix, not a bug to show a traceback for. ``started``:
+    a run folder was kept (a loop had begun), so the fix ends with resuming it."""
+    import errno as errno_codes
+
+    codes = {errno_codes.ENOSPC, errno_codes.EFBIG, getattr(errno_codes, "EDQUOT", 122)}
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in codes:
+            if type(err).__str__ is not OSError.__str__:
+                return str(err)  # already one line naming the file and the fix
+            where = err.filename or _file_being_written(err) or "a file of the run"
+            then = ", then resume with --ckpt_path last" if started else " and run it again"
+            return (
+                f"could not write {where} ({err.strerror}): the disk (or your quota, or the "
+                f"file-size limit) is full; free disk space or point --runs_dir at another "
+                f"disk{then}"
+            )
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def check_feature_memory(
+    spec: Any,
+    *,
+    where: str,
+    batch_size: Any,
+    max_len: Any,
+    num_heads: int,
+    head_dim: int,
+    num_layers: Any,
+    precision: Any = None,
+) -> None:
+    """A random-feature backend whose feature tensors cannot fit in memory is refused up
+    front, with the estimate: building it (a trial build checks every spec) or its first
+    batch would otherwise be killed by the kernel, or swap for minutes. The estimate is a
+    lower bound: the query and key features of one batch at the longest length, in every
+    layer whose activations the backward pass keeps (one with ``recompute: true``), and the
+    drawn projections."""
+    if not isinstance(spec, dict):
+        return
+    from macformer_lit.attention.spec import parse_spec
+
+    try:
+        parse_spec(spec)
+    except ValueError:
+        return  # a spec that does not parse: the attention check names what is wrong
+    features = spec.get("num_features")
+    ints = (features, batch_size, max_len)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in ints):
+        return
+    layers = num_layers if isinstance(num_layers, int) and num_layers > 0 else 1
+    kept = 1 if spec.get("recompute") else layers
+    size = 2 if "16" in str(precision or "") else 4
+    need = 2 * batch_size * num_heads * max_len * features * size * kept
+    need += features * head_dim * 4 * layers
+    have = physical_memory()
+    if have is None or need <= have:
+        return
+    raise UsageError(
+        f"{where}: num_features {features:,} cannot fit in memory: the query and key features "
+        f"of one batch ({batch_size} x {num_heads} heads x {max_len} positions x "
+        f"{features:,} features, {size} bytes each, in {kept} layer(s) kept for the backward "
+        f"pass) need at least {need / 2**30:,.0f} GiB, more than this machine's "
+        f"{have / 2**30:,.0f} GiB: lower num_features, or --data.batch_size or --data.max_len"
+        + ("" if spec.get("recompute") else " (recompute: true keeps one layer's)")
+    )
+
+
+def _file_being_written(err: BaseException) -> str | None:
+    """The path a failed write was writing, from its frames' locals (innermost first): an
+    ``OSError`` from ``write`` carries no file name, and fsspec's and torch's writers hold it
+    as ``path``, ``filepath`` or ``config_path``."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for name in ("path", "filepath", "file_path", "config_path", "filename", "fname"):
+            value = frame.f_locals.get(name)
+            if isinstance(value, (str, os.PathLike)) and str(value):
+                return str(value)
+    return None
+
+
+def check_task_given(argv: list[str], task_configs: list[str]) -> None:
+    """``fit``/``validate``/``test``/``predict`` need a model class and a data class, which
+    the task configs (``lra_listops.yaml`` ...) name; the other shipped configs are overlays
+    (``attention/``, ``schedule/``, ``trainer/``) whose options mean nothing alone. Without a
+    task, jsonargparse says "Option 'attention.name' is not accepted" or "the following
+    arguments are required: fit.data, fit.model"; here it is what to add. ``argv``: the
+    command line with config names resolved to paths."""
+    if not argv or argv[0] not in ("fit", "validate", "test", "predict"):
+        return  # a config before the subcommand holds subcommand keys: jsonargparse checks
+    if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
+        return
+    configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    given = {"model": False, "data": False}
+    for key in given:
+        if any(a == f"--{key}" or a.startswith((f"--{key}=", f"--{key}.class_path")) for a in argv):
+            given[key] = True
+    for path in configs:
+        try:
+            data = yamlio.load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            return  # check_config_file has said what is wrong with it
+        for key in given:
+            value = data.get(key) if isinstance(data, dict) else None
+            if isinstance(value, str) or (isinstance(value, dict) and "class_path" in value):
+                given[key] = True
+    missing = [key for key, found in given.items() if not found]
+    if not missing:
+        return
+    example = "lra_listops.yaml" if "lra_listops.yaml" in task_configs else task_configs[0]
+    tasks = f"task configs: {', '.join(task_configs)}"
+    what = " and ".join(f"no {key} class" for key in missing)
+    if configs:
+        names = " ".join(f"--config {_shipped_name(p)}" for p in configs)
+        overlay = "this config is an overlay" if len(configs) == 1 else "these are overlays"
+        raise UsageError(
+            f"{names}: {what} given: {overlay} "
+            f"for a task config, which names the model and data; put one first, e.g. "
+            f"--config {example} {names} ({tasks})"
+        )
+    raise UsageError(
+        f"{argv[0]} needs a model and data: give a task config, e.g. --config {example} "
+        f"({tasks}), or --model and --data"
+    )
+
+
+def _shipped_name(path: str) -> str:
+    """A shipped config as the user named it (``attention/rmfa_exp.yaml``), others as given."""
+    parts = Path(path).parts
+    if "configs" in parts:
+        return "/".join(parts[len(parts) - parts[::-1].index("configs") :])
+    return path
+
+
+def _assigned_attributes(cls: type) -> set[str] | None:
+    """Every ``self.<name> = ...`` in the methods of ``cls`` and its bases, read from their
+    source; None when a class has no source to read (then nothing is judged)."""
+    import ast
+    import inspect
+    import textwrap
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets = [node.target]
+            for target in targets:
+                for t in ast.walk(target):
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"
+                    ):
+                        names.add(t.attr)
+    return names
+
+
+def check_task_data(model_cls: type, data_cls: type, linked: tuple[str, ...]) -> None:
+    """The model's sizes that only its data can give (``vocab_size``, ``num_classes``,
+    ``bos_id`` ...: the CLI links them) must exist on the data: a translation model on
+    classification data has no ``bos_id``, a classifier on translation data no
+    ``num_classes``, and the model would fail inside its constructor ("'<=' not supported
+    between instances of 'int' and 'NoneType'"), after the data had built its vocabulary.
+    Judged from the classes (a class attribute or property, or an assignment in a method),
+    before anything is built."""
+    import inspect
+
+    constructors = getattr(model_cls, "_constructors", None)
+    inits = constructors() if callable(constructors) else [model_cls.__init__]
+    required: list[str] = []
+    for init in inits:
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            continue
+        required += [
+            n for n in linked if n in params and params[n].default is inspect.Parameter.empty
+        ]
+    assigned = _assigned_attributes(data_cls)
+    if not required or assigned is None:
+        return
+
+    def has(name: str) -> bool:
+        return inspect.getattr_static(data_cls, name, None) is not None or name in assigned
+
+    missing = [n for n in dict.fromkeys(required) if not has(n)]
+    if not missing:
+        return
+
+    def kind(needs) -> str:
+        if needs("bos_id"):
+            return "sequence-to-sequence"
+        return "classification" if needs("num_classes") else ""
+
+    model_kind, data_kind = kind(lambda n: n in required), kind(has)
+    model_name, data_name = model_cls.__name__, data_cls.__name__
+    mismatch = ""
+    if model_kind and data_kind and model_kind != data_kind:
+        mismatch = f" ({model_kind} model, {data_kind} data)"
+    raise UsageError(
+        f"model {model_name} does not fit data {data_name}{mismatch}: the model needs "
+        f"{', '.join(missing)} from its data, and {data_name} has none: pair a translation "
+        "model with translation data (translation_synthetic.yaml, multi30k.yaml) and a "
+        "classifier with classification data (lra_*.yaml, listops_short_cpu.yaml)"
+    )

@@ -37,6 +37,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -892,6 +893,14 @@ def main(argv: list[str] | None = None) -> None:
         "refuse, naming them)",
     )
     args = parser.parse_args(argv)
+    # Before reading any run: an --out that is a file, or cannot be made, is one line.
+    from macformer_lit.preflight import UsageError, check_folder
+
+    try:
+        check_folder(args.out, "--out", write=True)
+    except UsageError as err:
+        print(f"report: error: {err.code}", file=sys.stderr)
+        raise SystemExit(2) from None
     runs, skipped = collect(args.runs, args.out)
     if not runs:
         reasons = "".join(f"\n  {p}: {why}" for p, why in skipped)

@@ -62,10 +62,12 @@ import math
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,8 @@ from macformer_lit.report import BOOKKEEPING
 from macformer_lit.runs import newest_version
 
 FILE_KEYS = {"name", "command", "config", "args", "axes", "plot", "report"}
+# x: the curves' axis, epochs (the default) or training steps (for runs inside one epoch).
+PLOT_KEYS = {"style_axis", "dashed", "metrics", "x"}
 STATUS_FILE = "sweep_status.json"
 LOG_FILE = "sweep_run.log"
 DEFAULT_METRICS = ["val/loss", "val/ppl", "val/bleu"]
@@ -144,6 +148,14 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     if not isinstance(spec.get("args") or {}, dict):
         raise SweepError(f"{path}: 'args' must be a mapping of dotted keys to values")
     plot = spec.setdefault("plot", {}) or {}
+    unknown = sorted(set(plot) - PLOT_KEYS)
+    if unknown:
+        raise SweepError(
+            f"{path}: plot has unknown key(s) {', '.join(unknown)}; valid: "
+            f"{', '.join(sorted(PLOT_KEYS))}"
+        )
+    if plot.get("x", "epoch") not in ("epoch", "step"):
+        raise SweepError(f"{path}: plot.x must be epoch or step; got {plot['x']!r}")
     style_axis = plot.get("style_axis", next(iter(axes)))
     if style_axis not in axes:
         raise SweepError(
@@ -153,6 +165,7 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
         "style_axis": style_axis,
         "dashed": [str(x) for x in plot.get("dashed", [])],
         "metrics": list(plot.get("metrics", DEFAULT_METRICS)),
+        "x": plot.get("x", "epoch"),
     }
     report = spec.get("report") or {}
     spec["report"] = {"average_over": as_list(report.get("average_over"))}
@@ -244,7 +257,11 @@ def resolve_settings(cmd: list[str]) -> dict[str, Any] | str | None:
             raise _Resolved(self._parser(sub).dump(self.config[sub], skip_none=False))
 
     try:
-        Resolve(cmd[cmd.index("macformer_lit") + 1 :])
+        with warnings.catch_warnings():
+            # LightningCLI warns when given args while sys.argv holds the sweep's own: here
+            # that is the point (the point's command line is parsed in the sweep process).
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run")
+            Resolve(cmd[cmd.index("macformer_lit") + 1 :])
     except _Resolved as done:
         return yamlio.load(done.args[0])
     except SystemExit as err:  # UsageError, an unknown config, --help
@@ -470,8 +487,26 @@ def _run_point(
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         offset = log.tell()
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+        returncode, stop = _run_child(cmd, log, env)
     elapsed = time.perf_counter() - start
+    if stop is not None:
+        # The child stopped on the forwarded signal (a fit saved last.ckpt): not a failure,
+        # and the next sweep resumes it. A point that never got a run folder leaves none.
+        if status is None and newest_version(folder) is None:
+            locks.release(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            interrupted = {
+                "status": "interrupted",
+                "returncode": returncode,
+                "point": point,
+                "command": shlex.join(cmd),
+                "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+            if not done:
+                (folder / STATUS_FILE).write_text(json.dumps(interrupted, indent=2))
+        raise SweepInterrupted(stop)
+    proc = subprocess.CompletedProcess(cmd, returncode)
     with open(log_path, encoding="utf-8", errors="replace") as log:
         log.seek(offset)
         text = log.read()  # this run's output only: an earlier run's folder is not this one's
@@ -495,6 +530,39 @@ def _run_point(
         print(f"{label}done in {elapsed:.0f} s ({run_dir})", flush=True)
     (folder / STATUS_FILE).write_text(json.dumps(status, indent=2))
     return status
+
+
+class SweepInterrupted(Exception):
+    """A stop signal reached the sweep; its point's child was stopped with it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _run_child(cmd: list[str], log, env: dict) -> tuple[int, int | None]:
+    """Run a point's process to its end; a stop signal to the sweep is passed on to it once
+    per signal (its own session: a terminal's Ctrl-C reaches the sweep alone, so a first
+    Ctrl-C saves the fit's last.ckpt and a second aborts it, as for a fit run by hand), and
+    the sweep waits for it. Returns the exit code and the first stop signal, if any."""
+    import signal
+
+    from macformer_lit import interrupts
+
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    stop = None
+    while True:
+        try:
+            return proc.wait(), stop
+        except (interrupts.Interrupted, KeyboardInterrupt) as err:
+            signum = getattr(err, "signum", signal.SIGINT)
+            stop = stop or signum
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
 
 
 def last_error(text: str) -> str:
@@ -529,16 +597,16 @@ def read_metrics(run_dir: str | Path | None) -> list[dict[str, str]]:
     return read_metrics_rows(path)
 
 
-def series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
-    """``(epoch, value)`` for each epoch that logged ``key`` (the last value of an epoch)."""
-    per_epoch: dict[int, float] = {}
+def series(rows: list[dict[str, str]], key: str, x: str = "epoch") -> list[tuple[int, float]]:
+    """``(epoch, value)`` for each epoch that logged ``key`` (the last value of an epoch), or
+    ``(step, value)`` for each step with ``x="step"``."""
+    per_x: dict[int, float] = {}
     for row in rows:
         value = row.get(key)
         if value in (None, ""):
             continue
-        epoch = int(float(row.get("epoch") or 0))
-        per_epoch[epoch] = float(value)
-    return sorted(per_epoch.items())
+        per_x[int(float(row.get(x) or 0))] = float(value)
+    return sorted(per_x.items())
 
 
 def last_value(rows: list[dict[str, str]], key: str) -> float | None:
@@ -678,9 +746,25 @@ def method_curves(
             rows = read_metrics((status or {}).get("run_dir"))
         except MetricsFileError:
             rows = []  # flagged in the table
-        run = [(float(e + 1), v) for e, v in series(rows, key)]
+        x = spec["plot"]["x"]
+        shift = 1 if x == "epoch" else 0  # epochs counted from 1, steps as logged
+        run = [(float(e + shift), v) for e, v in series(rows, key, x)]
         curves.setdefault(method_of(spec, point), []).append(run)
     return curves
+
+
+def majority_share(statuses: list[dict | None]) -> float | None:
+    """The validation split's majority-class share as the runs logged it
+    (``val/majority_acc``), for the accuracy panel's reference line; None if none did."""
+    for status in statuses:
+        try:
+            rows = read_metrics((status or {}).get("run_dir"))
+        except MetricsFileError:
+            continue
+        values = series(rows, "val/majority_acc")
+        if values:
+            return values[-1][1]
+    return None
 
 
 def plot_curves(
@@ -705,8 +789,12 @@ def plot_curves(
         plot_bands(
             ax, method_curves(spec, points, statuses, key), colours=colours, linestyles=styles
         )
+        majority = majority_share(statuses) if key == "val/acc" else None
+        if majority is not None:
+            ax.axhline(majority, color="0.4", linestyle="--", linewidth=1,
+                       label="majority class (validation)")  # fmt: skip
         ax.set_title(METRIC_TITLES.get(key, key))
-        ax.set_xlabel("epoch")
+        ax.set_xlabel(spec["plot"]["x"])
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         values = [v for ln in ax.lines for v in ln.get_ydata() if math.isfinite(v)]
@@ -867,6 +955,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupted(signum: int, argv: list[str], sweep_dir: Path) -> int:
+    """One line with the command that goes on where the sweep stopped; 128 + the signal."""
+    from macformer_lit import interrupts
+
+    if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= {locks.LOCK_FILE}:
+        shutil.rmtree(sweep_dir, ignore_errors=True)  # nothing ran: no folder left behind
+    again = shlex.join(["python", "-m", "macformer_lit", "sweep", *argv])
+    name = interrupts.NAMES.get(signum, f"signal {signum}")
+    print(
+        f"macformer_lit sweep: interrupted ({name}); the point that was running saved what it "
+        f"could; go on with: {again}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return interrupts.exit_code(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; exits with status 2 on a bad sweep file, 1 if any run failed."""
     code = _main(argv)
@@ -877,6 +982,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    given = list(argv)  # for the command that goes on after an interruption
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
@@ -946,6 +1052,8 @@ def _main(argv: list[str] | None) -> int:
                     rerun_changed=not args.no_rerun_changed,
                 )
                 failed += status.get("status") != "done"
+        except SweepInterrupted as err:
+            return _interrupted(err.signum, given, sweep_dir)
         finally:
             locks.release(sweep_dir)
     outputs = report(spec, runs_dir, resolved)

@@ -86,7 +86,10 @@ def test_first_steps_of_a_committed_run_replay(tmp_path, run):
         assert replayed[step] == pytest.approx(loss, rel=1e-4), step
 
 
-SWEEPS = {"synthetic_ppsbn": "configs/sweeps/synthetic_ppsbn.yaml"}
+SWEEPS = {
+    "synthetic_ppsbn": "configs/sweeps/synthetic_ppsbn.yaml",
+    "lra_listops_mechanism_screen": "configs/sweeps/lra_listops_mechanism_screen.yaml",
+}
 
 
 @pytest.mark.parametrize("name", sorted(SWEEPS))

@@ -111,6 +111,8 @@ def test_commands_of_a_grid(tmp_path):
         ({"axes": {"a": {"x": {}}}, "colour": 1}, "unknown key"),
         ({"axes": {"a": {"x": {}}}, "plot": {"style_axis": "b"}}, "style_axis 'b' is not an axis"),
         ({"axes": {"a": {"x y": {}}}}, "must be a plain word"),
+        ({"axes": {"a": {"x": {}}}, "plot": {"metric": ["val/acc"]}}, "plot has unknown key"),
+        ({"axes": {"a": {"x": {}}}, "plot": {"x": "time"}}, "plot.x must be epoch or step"),
     ],
 )
 def test_malformed_sweep_files(tmp_path, bad, match, capsys):
@@ -329,3 +331,30 @@ def test_failed_point_no_retry_rerun_and_report_only(tmp_path, capsys):
     assert sweep.main([str(path), *runs, "--report_only"]) == 0
     assert "att=x" in capsys.readouterr().out
     assert (folder / sweep.LOG_FILE).read_text() == log
+
+
+def test_curves_by_step_and_the_majority_line(tmp_path):
+    """``plot.x: step`` draws a run inside one epoch as its logged steps (by epoch it would be
+    one point), and the accuracy panel gets the majority-class line the runs logged."""
+    path = write_sweep(
+        tmp_path / "s.yaml",
+        command="fit",
+        axes={"method": {"a": {}}},
+        plot={"metrics": ["val/acc"], "x": "step"},
+    )
+    spec = sweep.load_sweep(path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text(
+        "epoch,step,val/acc,val/majority_acc\n0,299,0.2,0.17\n0,599,0.3,0.17\n"
+    )
+    statuses = [{"run_dir": str(run)}]
+    curves = sweep.method_curves(spec, [{"method": "a"}], statuses, "val/acc")
+    assert curves == {"method=a": [[(299.0, 0.2), (599.0, 0.3)]]}
+    assert sweep.majority_share(statuses) == 0.17
+    spec["plot"]["x"] = "epoch"
+    assert sweep.method_curves(spec, [{"method": "a"}], statuses, "val/acc") == {
+        "method=a": [[(1.0, 0.3)]]
+    }
+    out = sweep.plot_curves(spec, [{"method": "a"}], statuses, tmp_path / "curves.png")
+    assert out.stat().st_size > 0

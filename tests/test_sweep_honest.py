@@ -9,6 +9,7 @@ come from the CLI's own parser (``sweep.resolve_settings``), so nothing here tra
 import csv
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,11 @@ class FakeCLI:
 def fake(monkeypatch):
     runner = FakeCLI()
     monkeypatch.setattr(sweep.subprocess, "run", runner)
+    # The sweep starts each point with _run_child (Popen in its own session); sweep.subprocess
+    # is the subprocess module itself, so its Popen is not patched.
+    monkeypatch.setattr(
+        sweep, "_run_child", lambda cmd, log, env: (runner(cmd, log).returncode, None)
+    )
     # The plot is test_sweep.py's; here it only costs time.
     monkeypatch.setattr(sweep, "plot_curves", lambda spec, points, statuses, path: path)
     return runner
@@ -184,3 +190,16 @@ def test_a_metrics_row_cut_short_is_flagged_not_tabled(tmp_path, fake):
     assert row["status"] == "bad metrics.csv" and row["val_loss_final"] == ""
     assert f"{metrics}, line 3: the file ends inside this row" in row["error"]
     assert table(tmp_path)["seed=1"]["val_loss_final"] == "1.5"
+
+
+def test_checking_the_points_prints_no_lightning_warning(tmp_path, fake, monkeypatch):
+    """The sweep parses each point's command line in its own process (LightningCLI with
+    args while sys.argv is the sweep's): no warning per point reaches the user."""
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", ["macformer_lit", "sweep", "s.yaml", "--report_only"])
+    path = write_spec(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_sweep(path, tmp_path, "--report_only") == 0
+    assert not [w for w in caught if "args parameter is intended" in str(w.message)]

@@ -33,6 +33,9 @@ from .samplers import (
     world,
 )
 
+# Generated files are written whole (staging.py); re-exported for the DataModules.
+from .staging import remove_stale_temporaries, staging_path, write_whole  # noqa: E402, F401
+
 
 class MissingDataError(FileNotFoundError):
     """Data files are not where the DataModule looks; the message says how to get them."""

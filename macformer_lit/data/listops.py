@@ -49,6 +49,8 @@ from macformer_lit.data.common import (
     SequenceDataModule,
     SequenceDataset,
     check_positive,
+    remove_stale_temporaries,
+    staging_path,
 )
 from macformer_lit.data.listops_generator import (
     END,
@@ -342,6 +344,8 @@ class ListOpsDataModule(SequenceDataModule):
             self._files_ready = True
 
     def _ensure_files(self) -> None:
+        # A generation killed outright (SIGKILL) left its staged files: remove them now.
+        remove_stale_temporaries(self.directory)
         missing = [p for p in self.paths.values() if not p.exists()]
         manifest = self._read_manifest()
         how = HOW_TO_GET.format(directory=self.directory)
@@ -397,8 +401,8 @@ class ListOpsDataModule(SequenceDataModule):
         self.directory.mkdir(parents=True, exist_ok=True)
         # Written beside and swapped in at the end: an interrupted run leaves the old files
         # and their manifest as they were.
-        staging = {s: p.with_name(f"{p.name}.{os.getpid()}.tmp") for s, p in self.paths.items()}
-        manifest_tmp = self.manifest_path.with_name(f"{MANIFEST_NAME}.{os.getpid()}.tmp")
+        staging = {s: staging_path(p) for s, p in self.paths.items()}
+        manifest_tmp = staging_path(self.manifest_path)
         start = time.perf_counter()
         try:
             write_tsv_files(

@@ -346,7 +346,12 @@ def _pool(processes: int) -> Executor | None:
     # Workers only run numpy, so fork is safe and, unlike spawn, needs no __main__ guard
     # in the user's script; spawn is the fallback where fork does not exist.
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return ProcessPoolExecutor(processes, mp_context=mp.get_context(method))
+    # Workers ignore a terminal's Ctrl-C: the parent stops them and removes its files.
+    from macformer_lit.interrupts import ignore_in_worker
+
+    return ProcessPoolExecutor(
+        processes, mp_context=mp.get_context(method), initializer=ignore_in_worker
+    )
 
 
 def write_tsv_files(

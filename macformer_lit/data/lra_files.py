@@ -44,6 +44,7 @@ from macformer_lit.data.common import (
     MissingDataError,
     SequenceDataModule,
     SequenceDataset,
+    remove_stale_temporaries,
 )
 
 log = logging.getLogger(__name__)
@@ -327,6 +328,7 @@ class TokenCache:
         return arrays, labels, meta["stats"]
 
     def _write(self, stem: Path, split: str, build, fields: int, dtype):
+        remove_stale_temporaries(self.dir)  # a writer killed outright (SIGKILL) left them
         tmp = f".tmp{os.getpid()}"
         bins = [Path(f"{stem}.tok{f}.bin{tmp}") for f in range(fields)]
         offsets: list[list[int]] = [[0] for _ in range(fields)]

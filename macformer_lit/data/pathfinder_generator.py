@@ -82,6 +82,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from macformer_lit.data.staging import remove_stale_temporaries, staging_path
+from macformer_lit.interrupts import ignore_in_worker
+
 __all__ = [
     "PathfinderParams",
     "PathfinderSample",
@@ -651,7 +654,11 @@ def _render_chunk(task) -> list[tuple[int, int, str]]:
     rows = []
     for j in range(start, stop):
         sample = render_sample(_rng(seed, batch * per_batch + j), params)
-        Image.fromarray(sample.image, mode="L").save(folder / f"sample_{j}.png")
+        # Written whole or not at all (a kill mid-write leaves a temporary, removed later).
+        path = folder / f"sample_{j}.png"
+        tmp = staging_path(path)
+        Image.fromarray(sample.image, mode="L").save(tmp, format="PNG")
+        os.replace(tmp, path)
         rows.append((batch, j, _metadata_line(batch, j, sample.label, sample.margin, params)))
     return rows
 
@@ -676,8 +683,11 @@ def generate_pathfinder(
     out = Path(out_dir)
     workers = workers or os.cpu_count() or 1
     tasks = []
+    # Leftovers of a generation killed outright (SIGKILL): its temporaries go now.
+    remove_stale_temporaries(out / "metadata")
     for batch in range(math.ceil(num / images_per_batch)):
         (out / "imgs" / str(batch)).mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out / "imgs" / str(batch))
         count = min(images_per_batch, num - batch * images_per_batch)
         for start in range(0, count, chunk_size):
             stop = min(start + chunk_size, count)
@@ -697,7 +707,8 @@ def generate_pathfinder(
             # spawn, not fork: the caller may already run torch threads. Workers that die
             # raise BrokenProcessPool here instead of hanging as a multiprocessing.Pool would.
             context = mp.get_context("spawn")
-            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            pool = ProcessPoolExecutor(workers, mp_context=context, initializer=ignore_in_worker)
+            with pool:
                 for future in as_completed([pool.submit(_render_chunk, t) for t in tasks]):
                     chunk = future.result()
                     rows += chunk
@@ -708,9 +719,19 @@ def generate_pathfinder(
     by_batch: dict[int, list[str]] = {}
     for batch, _, line in rows:
         by_batch.setdefault(batch, []).append(line)
-    for batch, lines in by_batch.items():
-        # Text lines, newline-terminated, as the released files (despite the .npy name).
-        (out / "metadata" / f"{batch}.npy").write_text("\n".join(lines) + "\n")
+    # Text lines, newline-terminated, as the released files (despite the .npy name). The
+    # metadata marks a folder as generated: all of it is staged first, then renamed.
+    staged = []
+    try:
+        for batch, lines in by_batch.items():
+            path = out / "metadata" / f"{batch}.npy"
+            staged.append((staging_path(path), path))
+            staged[-1][0].write_text("\n".join(lines) + "\n")
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
     positives = sum(int(line.split()[3]) for _, _, line in rows)
     return {
         "num": num,

@@ -44,6 +44,8 @@ from macformer_lit.data.common import (
     check_not_empty,
     check_positive,
     pad_sequences,
+    remove_stale_temporaries,
+    staging_path,
 )
 
 log = logging.getLogger(__name__)
@@ -120,9 +122,13 @@ def cached_tokenizer(
     tok = train_tokenizer(texts, kind=kind, vocab_size=vocab_size)
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Write then rename: concurrent DDP ranks never read a half-written file.
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
+    remove_stale_temporaries(cache_dir)  # a writer killed outright left them
+    tmp = staging_path(path)
+    try:
+        tok.save(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     log.info("Trained tokenizer %s (%d tokens)", path, tok.get_vocab_size())
     return tok, path
 

@@ -142,6 +142,7 @@ def sweep_file(tmp_path) -> Path:
 
 def test_a_second_sweep_of_the_same_folder_or_point_stops(tmp_path, capsys, holders, monkeypatch):
     monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(sweep, "_run_child", lambda *a, **k: pytest.fail("a run started"))
     path = sweep_file(tmp_path)
     argv = [str(path), "--runs_dir", str(tmp_path / "runs"), "--wandb_mode", "disabled"]
     other = holders(tmp_path / "runs" / "locked")
