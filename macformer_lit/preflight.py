@@ -529,15 +529,18 @@ def check_task_given(argv: list[str], task_configs: list[str]) -> None:
     for key in given:
         if any(a == f"--{key}" or a.startswith((f"--{key}=", f"--{key}.class_path")) for a in argv):
             given[key] = True
+    loaded = []
     for path in configs:
         try:
             data = yamlio.load(Path(path).read_text())
         except (OSError, yaml.YAMLError):
             return  # check_config_file has said what is wrong with it
-        for key in given:
-            value = data.get(key) if isinstance(data, dict) else None
-            if isinstance(value, str) or (isinstance(value, dict) and "class_path" in value):
-                given[key] = True
+        data = data if isinstance(data, dict) else {}
+        names = [k for k in given if _names_class(data.get(k))]
+        for key in names:
+            given[key] = True
+        loaded.append((path, data, bool(names)))
+    _check_overlay_order(loaded)
     missing = [key for key, found in given.items() if not found]
     if not missing:
         return
@@ -556,6 +559,46 @@ def check_task_given(argv: list[str], task_configs: list[str]) -> None:
         f"{argv[0]} needs a model and data: give a task config, e.g. --config {example} "
         f"({tasks}), or --model and --data"
     )
+
+
+def _names_class(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, dict) and "class_path" in value)
+
+
+def _check_overlay_order(loaded: list[tuple[str, dict, bool]]) -> None:
+    """Configs compose in order, the later winning: an overlay (``attention/…``) given before
+    a task config that sets the same options is silently undone by it (the task's own
+    attention trains). Refused, naming the options and the order that works."""
+    for i, (overlay, data, is_task) in enumerate(loaded):
+        if is_task:
+            continue
+        ours = set(_leaf_keys(data))
+        for task, later, later_is_task in loaded[i + 1 :]:
+            if not later_is_task:
+                continue
+            undone = sorted(ours & set(_leaf_keys(later)))
+            if undone:
+                shown = ", ".join(undone[:3]) + (" …" if len(undone) > 3 else "")
+                raise UsageError(
+                    f"--config {_shipped_name(overlay)} comes before the task config "
+                    f"--config {_shipped_name(task)}, which sets {shown} again and would undo "
+                    f"it (later configs win): give the task config first, --config "
+                    f"{_shipped_name(task)} --config {_shipped_name(overlay)}"
+                )
+
+
+def _leaf_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of a config's options, ``init_args`` dropped (``model.attention.name``):
+    a task config and an overlay may write the same option with or without it."""
+    if not isinstance(data, dict) or not data:
+        return [prefix] if prefix else []
+    keys = []
+    for k, v in data.items():
+        if k in ("init_args", "class_path") and prefix:
+            keys += _leaf_keys(v, prefix) if k == "init_args" else []
+            continue
+        keys += _leaf_keys(v, f"{prefix}.{k}" if prefix else str(k))
+    return keys
 
 
 def _shipped_name(path: str) -> str:

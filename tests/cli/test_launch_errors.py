@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from test_misuse import refused, tiny
@@ -24,6 +25,8 @@ from macformer_lit import preflight
 from macformer_lit.cli import main
 from macformer_lit.loggers import check_wandb_mode, unreachable
 from macformer_lit.preflight import UsageError, check_launch, check_seeds, disk_full
+
+REPO = Path(__file__).resolve().parents[2]
 
 CLUSTER_VARS = (
     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "WORLD_SIZE", "SLURM_NTASKS", "LSB_JOBID",
@@ -339,6 +342,23 @@ def test_an_overlay_config_alone_names_a_task_config(tmp_path, capsys, configs, 
     assert "--config lra_listops.yaml" in line and "task configs: " in line, line
     if configs:
         assert f"--config {configs[0]}" in line and "overlay" in line
+
+
+def test_an_overlay_before_the_task_config_that_undoes_it_is_one_line(tmp_path, capsys):
+    """Before: --config attention/rmfa_exp.yaml --config lra_listops.yaml trained softmax (the
+    task config, given later, sets the attention again); an overlay whose options the task
+    config does not set (trainer/bf16.yaml) may come first."""
+    argv = ["fit", "--config", "attention/rmfa_exp.yaml", "--config", "lra_listops.yaml"]
+    argv += ["--runs_dir", str(tmp_path / "runs"), "--wandb_mode", "disabled"]
+    line = refused(capsys, argv, tmp_path)
+    start = "macformer_lit: error: --config attention/rmfa_exp.yaml comes before the task "
+    start += "config --config "
+    assert line.startswith(start + "lra_listops.yaml, which sets model.attention"), line
+    assert "give the task config first, --config lra_listops.yaml --config attention/" in line
+    preflight.check_task_given(
+        ["fit", "--config", str(REPO / "configs/trainer/bf16.yaml"),
+         "--config", str(REPO / "configs/lra_listops.yaml")], ["lra_listops.yaml"],
+    )  # fmt: skip
 
 
 # ---- feature counts that cannot fit in memory -----------------------------------------
