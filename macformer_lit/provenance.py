@@ -64,10 +64,17 @@ def _git(*args: str) -> str | None:
 def package_digest() -> str:
     """sha256 of the package's Python files (paths and bytes): two commits that did not
     change the package's code share it, and so do two runs from one uncommitted tree."""
+    files = sorted(PACKAGE_DIR.rglob("*.py"))
+    return _digest((p.relative_to(PACKAGE_DIR).as_posix(), p.read_bytes) for p in files)
+
+
+def _digest(files) -> str:
+    """sha256 over ``(relative path, read)`` pairs, in the order given: the one recipe of
+    ``package_digest`` and ``digest_at``."""
     digest = hashlib.sha256()
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
+    for name, read in files:
+        digest.update(name.encode() + b"\0")
+        digest.update(read() + b"\0")
     return "sha256:" + digest.hexdigest()[:16]
 
 
@@ -77,20 +84,28 @@ def digest_at(commit: str) -> str:
     listing = _git("ls-tree", "-r", "-z", "--name-only", commit, "--", "macformer_lit")
     if listing is None:
         return UNKNOWN
-    names = [n for n in listing.split("\0") if n.endswith(".py")]
-    digest = hashlib.sha256()
-    for name in sorted(names, key=lambda n: Path(n).relative_to("macformer_lit").as_posix()):
-        blob = subprocess.run(
-            ["git", "-C", str(PACKAGE_DIR.parent), "show", f"{commit}:{name}"],
-            capture_output=True,
-            timeout=20,
-            check=False,
-        )
-        if blob.returncode != 0:
-            return UNKNOWN
-        digest.update(Path(name).relative_to("macformer_lit").as_posix().encode() + b"\0")
-        digest.update(blob.stdout + b"\0")
-    return "sha256:" + digest.hexdigest()[:16]
+    names = sorted(
+        Path(n).relative_to("macformer_lit").as_posix()
+        for n in listing.split("\0")
+        if n.endswith(".py")
+    )
+
+    def show(name: str):
+        def read() -> bytes:
+            blob = subprocess.run(
+                ["git", "-C", str(PACKAGE_DIR.parent), "show", f"{commit}:macformer_lit/{name}"],
+                capture_output=True,
+                timeout=20,
+                check=True,
+            )
+            return blob.stdout
+
+        return read
+
+    try:
+        return _digest((name, show(name)) for name in names)
+    except (OSError, subprocess.SubprocessError):
+        return UNKNOWN
 
 
 def code() -> dict[str, Any]:
