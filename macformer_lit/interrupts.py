@@ -10,6 +10,12 @@ instead (``graceful``): the loop stops at the next boundary and saves ``last.ckp
 Child processes forked from this one (data workers, generator pools) keep the default
 behaviour: the parent decides.
 
+A handler's exception is lost where Python cannot raise (an at-fork hook, a finaliser, a
+weakref callback: it prints "Exception ignored" and goes on). A signal landing while a
+generator pool forks its workers did exactly that, and the fit trained on; so ``install``
+also sets ``sys.unraisablehook``: an ``Interrupted`` lost that way is delivered again, and
+the handler runs again at the next point where its exception can propagate.
+
 ``forgiving_streams`` keeps a closed stdout or stderr (``fit ... | head -3``, a closed
 terminal) from failing a run: the first write that finds the reader gone points the stream
 at ``/dev/null`` and the run goes on, as it would with its output discarded.
@@ -22,11 +28,13 @@ import os
 import signal
 import sys
 import threading
+import time
 
 NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 SIGNALS = tuple(NAMES)
 
 _main_pid: int | None = None
+_previous_unraisablehook = None
 # Set while a fit loop runs with SaveOnSigterm: a signal then asks for a graceful stop.
 graceful = None
 
@@ -65,13 +73,42 @@ def _handler(signum, frame) -> None:
     raise Interrupted(signum)
 
 
+def _deliver_after_hook(signum: int) -> None:
+    """Send ``signum`` to the main thread once it has left ``_unraisable``: sent from the
+    hook itself, the handler would run at once, in the hook, and its exception be lost."""
+    main = threading.main_thread().ident
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code is not _unraisable.__code__:
+            frame = frame.f_back
+        if frame is None:
+            break
+        time.sleep(0.001)
+    os.kill(_main_pid, signum)
+
+
+def _unraisable(hook) -> None:
+    """An ``Interrupted`` raised where Python could not propagate it: deliver the signal
+    again (its handler then runs at the next point that can raise); anything else goes to
+    the hook that was there before."""
+    exc = hook.exc_value
+    if isinstance(exc, Interrupted) and os.getpid() == _main_pid:
+        threading.Thread(target=_deliver_after_hook, args=(exc.signum,), daemon=True).start()
+        return
+    (_previous_unraisablehook or sys.__unraisablehook__)(hook)
+
+
 def install() -> dict:
     """SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` in this (main) process; returns the
     handlers they had, for ``restore``."""
-    global _main_pid
+    global _main_pid, _previous_unraisablehook
     if threading.current_thread() is not threading.main_thread():
         return {}
     _main_pid = os.getpid()
+    if sys.unraisablehook is not _unraisable:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _unraisable
     previous = {}
     for signum in SIGNALS:
         old = signal.getsignal(signum)
@@ -85,6 +122,8 @@ def install() -> dict:
 def restore(previous: dict) -> None:
     global graceful
     graceful = None
+    if sys.unraisablehook is _unraisable:
+        sys.unraisablehook = _previous_unraisablehook or sys.__unraisablehook__
     for signum, handler in previous.items():
         signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
