@@ -9,13 +9,16 @@ at the next batch boundary), and a first Ctrl-C or a SIGHUP the same way, by wri
 step; a validation it interrupts runs again on resume.
 ``MetricsRowsCheckpoint`` keeps ``metrics.csv`` in step with the checkpoints: a run killed
 some steps after its last checkpoint has already written those steps' rows, and the
-resumed run logs them again.
+resumed run logs them again. ``EpochAccumulatorsCheckpoint`` carries the interrupted
+epoch's training averages (``train/loss_epoch``, ``train/acc``, ``train/ppl``) across the
+resume, which Lightning does not keep in a checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import functools
 import os
 import signal
@@ -24,11 +27,21 @@ import threading
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.evaluation_loop import RestartStage as _EvalRestartStage
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torchmetrics import Metric
+from torchmetrics.utilities.data import (
+    dim_zero_cat,
+    dim_zero_max,
+    dim_zero_mean,
+    dim_zero_min,
+    dim_zero_sum,
+)
 
 from macformer_lit import interrupts
 
@@ -67,6 +80,381 @@ class MetricsRowsCheckpoint(L.Callback):
                     f"{lg.metrics_path}: dropped {dropped} row(s) logged after the checkpoint "
                     f"at step {step}; those steps run again"
                 )
+
+
+# A torchmetrics state's reduction over ranks, by name.
+_STATE_REDUCTIONS = {
+    dim_zero_sum: "sum",
+    dim_zero_cat: "cat",
+    dim_zero_max: "max",
+    dim_zero_min: "min",
+    dim_zero_mean: "mean",
+}
+
+
+def _reduction(meta) -> str:
+    for name in ("mean", "sum", "max", "min"):
+        if getattr(meta, f"is_{name}_reduction"):
+            return name
+    return "other"
+
+
+def _gather(trainer, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` from every rank, stacked (world, ...); a collective under DDP."""
+    dist = torch.distributed
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return tensor.unsqueeze(0)
+    gathered = trainer.strategy.all_gather(tensor.to(trainer.strategy.root_device))
+    return gathered.reshape(trainer.world_size, *tensor.shape).cpu()
+
+
+class EpochAccumulatorsCheckpoint(L.Callback):
+    """The training epoch's running averages in a checkpoint saved inside that epoch, so
+    that its ``train/loss_epoch``, ``train/acc``, ``train/ppl`` after a resume are those of
+    a run never stopped.
+
+    What ``self.log(..., on_epoch=True)`` has summed so far lives in the training loop's
+    ``_ResultCollection``, and a logged torchmetrics ``Metric`` keeps its own states (not
+    persistent): Lightning puts neither in a checkpoint, so a resumed epoch used to average
+    its resumed batches only, and an epoch resumed at its very end (a stop in its closing
+    validation) logged nothing.
+
+    Saving (on every rank: a collective): for each epoch-level entry of the training
+    results, a tensor entry's sum and count on every rank, and a Metric's states reduced
+    over ranks with its own ``dist_reduce_fx`` (the whole global batch so far). Only a
+    checkpoint inside an epoch (begun, its end not yet processed) gets them.
+
+    Resuming with batches left in the epoch: the Metric states go back before the first
+    batch, sum and cat states on rank 0 only (zero elsewhere: the epoch end's sync counts
+    every example once), max, min and mean states on every rank; each rank adds its own
+    tensor sums and counts to the live ones once Lightning has reset those for the resumed
+    epoch (at the second batch, or the epoch's end), which is the order an uninterrupted
+    run adds them in: the values are equal bit for bit on one process, under DDP up to the
+    order of the sum over ranks. (A resume on another number of processes carries a tensor
+    entry only if it was the same on every rank, as ``train/loss`` is.)
+
+    Resuming with none left (saved after the epoch's last batch, in or at the end of its
+    validation): Lightning's resume skips that epoch's end, so rank 0 logs its values
+    itself, at the step and epoch the uninterrupted run logs them and after the validation
+    the resume runs again, unless the stopped run had written that row already.
+
+    Throughput is a measured speed, not carried: a resumed epoch's ``train/*_per_sec`` are
+    measured over the batches the resumed process ran (``ThroughputMemoryMonitor``).
+    """
+
+    KEY = "train_epoch_accumulators"
+
+    def __init__(self) -> None:
+        self._loaded: dict | None = None
+        self._rows: int | None = None
+        self._pending: dict[str, dict] = {}  # tensor entries to add to the live ones
+        self._epoch_end: dict | None = None  # an epoch end to log (rank 0)
+        self._epoch_end_saved: dict | None = None  # and the record it came from
+        self._resumed: dict | None = None  # the record of the epoch that goes on
+
+    # ---- saving ----------------------------------------------------------------------
+    @staticmethod
+    def _entries(trainer) -> tuple[dict, dict]:
+        tensors, metrics = {}, {}
+        for key, item in trainer.fit_loop.epoch_loop._results.items():
+            if not isinstance(item, _ResultMetric) or not item.meta.on_epoch:
+                continue
+            if item.is_tensor and item._update_count > 0:
+                tensors[key] = item
+            elif isinstance(item.value, Metric) and item.value._update_count > 0:
+                metrics[key] = item
+        return tensors, metrics
+
+    @staticmethod
+    def _describe(meta) -> dict:
+        return {
+            "log_name": meta.forked_name(False),
+            "logger": bool(meta.logger),
+            "reduce": _reduction(meta),
+            "sync": bool(meta.sync.should),
+        }
+
+    def _tensor_records(self, trainer, tensors: dict) -> dict:
+        records = {}
+        for key, item in tensors.items():
+            cbs = getattr(item, "cumulated_batch_size", None)
+            value, count = float(item.value), float(cbs) if cbs is not None else 0.0
+            records[key] = {**self._describe(item.meta), "local": (value, count)}
+        for key, pend in self._pending.items():  # not yet added to the live entry
+            rec = records.setdefault(key, {**pend["record"], "local": None})
+            if rec["local"] is None:
+                rec["local"] = (pend["value"], pend["count"])
+            else:
+                value, count = rec["local"]
+                if rec["reduce"] in ("max", "min"):
+                    pick = max if rec["reduce"] == "max" else min
+                    rec["local"] = (pick(value, pend["value"]), count)
+                else:  # the saved part first, as an uninterrupted run adds them
+                    rec["local"] = (pend["value"] + value, pend["count"] + count)
+        keys = sorted(records)
+        # The same entries on every rank (the same code logged them); checked, as a
+        # mismatch would make the gather below fail.
+        counts = _gather(trainer, torch.tensor([len(keys)], dtype=torch.float64))
+        if bool((counts != counts[0]).any()):
+            rank_zero_warn("epoch accumulators: ranks logged different entries; not saved")
+            return {}
+        if not keys:
+            return {}
+        local = torch.tensor([records[k]["local"] for k in keys], dtype=torch.float64)
+        states = _gather(trainer, local)  # (world, entries, 2)
+        out = {}
+        for i, key in enumerate(keys):
+            rec = {k: v for k, v in records[key].items() if k != "local"}
+            out[key] = {**rec, "states": states[:, i].clone()}
+        return out
+
+    @staticmethod
+    def _metric_record(trainer, item) -> dict | None:
+        metric = item.value
+        reductions = {}
+        for name in metric._defaults:
+            fn = metric._reductions.get(name)
+            reductions[name] = _STATE_REDUCTIONS.get(fn, "other")
+        distributed = trainer.world_size > 1 and torch.distributed.is_initialized()
+        sync = distributed and not metric._is_synced
+        # Every rank joins the sync (a collective) before deciding anything.
+        with metric.sync_context(
+            should_sync=sync, should_unsync=sync, distributed_available=lambda: sync
+        ):
+            states = {}
+            for name in metric._defaults:
+                value = getattr(metric, name)
+                if isinstance(value, list):
+                    value = dim_zero_cat(value) if value else torch.zeros(0)
+                states[name] = value.detach().cpu().clone()
+        if "other" in reductions.values():
+            return None
+        return {
+            **EpochAccumulatorsCheckpoint._describe(item.meta),
+            "attribute": item.meta.metric_attribute,
+            "states": states,
+            "reductions": reductions,
+            "update_count": int(metric._update_count),
+        }
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            return
+        if self._epoch_end_saved is not None:
+            # Saved again before the resumed epoch end was logged: carry it on (decided
+            # alike on every rank: the collectives below run on all or none).
+            checkpoint[self.KEY] = self._epoch_end_saved
+            return
+        progress = trainer.fit_loop.epoch_progress.current
+        if progress.started <= progress.processed:
+            return  # not inside an epoch: nothing of it to carry
+        tensors, metrics = self._entries(trainer)
+        records = {
+            "epoch": int(trainer.current_epoch),
+            "step": int(trainer.fit_loop.epoch_loop._batches_that_stepped),
+            "world_size": int(trainer.world_size),
+            "tensors": self._tensor_records(trainer, tensors),
+            "metrics": {},
+        }
+        for key in sorted(metrics):
+            record = self._metric_record(trainer, metrics[key])
+            if record is not None:
+                records["metrics"][key] = record
+        if records["tensors"] or records["metrics"]:
+            checkpoint[self.KEY] = records
+
+    # ---- resuming --------------------------------------------------------------------
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._loaded = checkpoint.get(self.KEY) if trainer.state.fn == "fit" else None
+        self._rows = checkpoint.get(MetricsRowsCheckpoint.KEY)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        saved, self._loaded = self._loaded, None
+        self._pending, self._epoch_end, self._epoch_end_saved = {}, None, None
+        self._resumed = None
+        if not isinstance(saved, dict):
+            return
+        processed = trainer.fit_loop.epoch_progress.current.processed
+        if processed == saved["epoch"]:  # the epoch goes on: its end is Lightning's
+            self._restore_metrics(trainer, pl_module, saved)
+            self._pending = self._own_tensor_states(trainer, saved)
+            self._resumed = saved
+        elif processed == saved["epoch"] + 1:  # resumed past its batches: its end is ours
+            self._epoch_end_saved = saved
+            self._epoch_end = self._epoch_end_values(trainer, pl_module, saved)
+
+    def _restore_metrics(self, trainer, pl_module, saved) -> None:
+        for rec in saved["metrics"].values():
+            metric = self._module_metric(pl_module, rec)
+            if metric is None:
+                rank_zero_warn(f"epoch accumulators: no metric {rec['attribute']!r}; restarts")
+                continue
+            for name, value in rec["states"].items():
+                if rec["reductions"][name] in ("sum", "cat") and not trainer.is_global_zero:
+                    continue  # zero here: rank 0 holds the saved sum of every rank
+                self._set_state(metric, name, value)
+            metric._update_count = max(metric._update_count, rec["update_count"], 1)
+            metric._computed = None
+
+    @staticmethod
+    def _module_metric(pl_module, rec) -> Metric | None:
+        try:
+            metric = pl_module.get_submodule(rec["attribute"] or "")
+        except AttributeError:
+            return None
+        if not isinstance(metric, Metric) or set(metric._defaults) != set(rec["states"]):
+            return None
+        return metric
+
+    @staticmethod
+    def _set_state(metric: Metric, name: str, value: torch.Tensor) -> None:
+        if isinstance(metric._defaults[name], list):
+            setattr(metric, name, [value.to(metric.device)] if value.numel() else [])
+        else:
+            live = getattr(metric, name)
+            setattr(metric, name, value.to(device=live.device, dtype=live.dtype))
+
+    @staticmethod
+    def _own_tensor_states(trainer, saved) -> dict[str, dict]:
+        pending = {}
+        for key, rec in saved["tensors"].items():
+            states = rec["states"]
+            if states.shape[0] == trainer.world_size:
+                value, count = states[trainer.global_rank].tolist()
+            elif bool((states == states[0]).all()):
+                value, count = states[0].tolist()
+            else:
+                rank_zero_warn(
+                    f"epoch accumulators: {rec['log_name']} differed between the "
+                    f"{states.shape[0]} processes that saved it; it restarts"
+                )
+                continue
+            record = {k: v for k, v in rec.items() if k != "states"}
+            pending[key] = {"record": record, "value": value, "count": count}
+        return pending
+
+    def _apply_pending(self, trainer) -> None:
+        results = trainer.fit_loop.epoch_loop._results
+        for key in list(self._pending):
+            item = results.get(key)
+            if not isinstance(item, _ResultMetric) or not item.is_tensor or not item._update_count:
+                continue  # not logged in the resumed epoch yet
+            pend = self._pending.pop(key)
+            saved = torch.tensor(pend["value"], dtype=item.value.dtype, device=item.value.device)
+            reduce = pend["record"]["reduce"]
+            if reduce in ("max", "min"):
+                item.value = item.meta.reduce_fx(saved, item.value)
+            else:  # sum, mean: the saved part first, as an uninterrupted run adds them
+                item.value = saved + item.value
+            if reduce == "mean":
+                cbs = item.cumulated_batch_size
+                item.cumulated_batch_size = cbs + torch.tensor(
+                    int(pend["count"]), dtype=cbs.dtype, device=cbs.device
+                )
+            item._computed = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._log_epoch_end(trainer)
+        # From the second batch on: Lightning resets the entries at the first one.
+        if self._pending and trainer._logger_connector._first_loop_iter is False:
+            self._apply_pending(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._pending:
+            self._apply_pending(trainer)
+        saved, self._resumed = self._resumed, None
+        if saved is None:
+            self._pending = {}
+            return
+        # Entries the resumed epoch never logged (no batch of it was left, e.g. a stop in
+        # its closing validation): Lightning's epoch end has nothing of them, so they are
+        # logged here, from the checkpoint, and the restored metrics are emptied.
+        results = trainer.fit_loop.epoch_loop._results
+        unlogged = {
+            "tensors": {k: r for k, r in saved["tensors"].items() if k not in results},
+            "metrics": {k: r for k, r in saved["metrics"].items() if k not in results},
+        }
+        self._pending = {}
+        for rec in unlogged["metrics"].values():
+            metric = self._module_metric(pl_module, rec)
+            if metric is not None:
+                metric.reset()
+        if unlogged["tensors"] or unlogged["metrics"]:
+            values = self._epoch_end_values(trainer, pl_module, {**saved, **unlogged})
+            self._epoch_end = values
+            self._log_epoch_end(trainer)
+
+    # ---- an epoch resumed at its end ---------------------------------------------------
+    def _epoch_end_values(self, trainer, pl_module, saved) -> dict | None:
+        if not trainer.is_global_zero:
+            return None
+        values = {}
+        for rec in saved["tensors"].values():
+            if rec["logger"]:
+                values[rec["log_name"]] = self._tensor_value(rec)
+        for rec in saved["metrics"].values():
+            metric = self._module_metric(pl_module, rec)
+            if rec["logger"] and metric is not None:
+                offline = copy.deepcopy(metric)
+                for name, value in rec["states"].items():
+                    self._set_state(offline, name, value)
+                offline._update_count = max(rec["update_count"], 1)
+                offline._computed, offline._to_sync = None, False  # rank 0 alone: no sync
+                values[rec["log_name"]] = float(offline.compute())
+        if not values or self._row_written(trainer, saved["step"], values):
+            return None
+        return {"step": saved["step"], "epoch": saved["epoch"], "values": values}
+
+    @staticmethod
+    def _tensor_value(rec) -> float:
+        states, reduce = rec["states"], rec["reduce"]
+        if states.shape[0] == 1 or bool((states == states[0]).all()) or not rec["sync"]:
+            value, count = states[0].tolist()
+        elif reduce in ("max", "min"):
+            value = float(states[:, 0].max() if reduce == "max" else states[:, 0].min())
+            count = 0.0
+        else:
+            value, count = states.sum(0).tolist()
+        dtype = torch.get_default_dtype()
+        if dtype not in (torch.float32, torch.float64):
+            dtype = torch.float32
+        value = torch.tensor(value, dtype=dtype)
+        if reduce == "mean":  # as _ResultMetric.compute divides
+            value = value / torch.tensor(int(count))
+        return float(value)
+
+    def _row_written(self, trainer, step: int, values: dict) -> bool:
+        """Whether the stopped run wrote this epoch end's row after its checkpoint."""
+        if self._rows is None:
+            return False
+        for lg in MetricsRowsCheckpoint._csv_loggers(trainer):
+            if not lg.metrics_path.is_file():
+                continue
+            with open(lg.metrics_path, newline="") as f:
+                rows = list(csv.DictReader(f))[self._rows :]
+            for row in rows:
+                try:
+                    at = int(float(row.get("step") or "nan"))
+                except ValueError:
+                    continue
+                if at == step and any(row.get(name) for name in values):
+                    return True
+        return False
+
+    def _log_epoch_end(self, trainer) -> None:
+        pending, self._epoch_end = self._epoch_end, None
+        self._epoch_end_saved = None
+        if pending is not None:
+            metrics = {**pending["values"], "epoch": pending["epoch"]}
+            trainer._logger_connector.log_metrics(metrics, step=pending["step"])
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # After the validation a resume runs again: its rows come first, as uninterrupted.
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._log_epoch_end(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._log_epoch_end(trainer)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -22,7 +22,12 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 
 from .distributed import RNGStateCheckpoint
 from .monitor import ThroughputMemoryMonitor
-from .preemption import LatestCheckpoint, MetricsRowsCheckpoint, SaveOnSigterm
+from .preemption import (
+    EpochAccumulatorsCheckpoint,
+    LatestCheckpoint,
+    MetricsRowsCheckpoint,
+    SaveOnSigterm,
+)
 
 
 class RunCallbacks:
@@ -50,7 +55,9 @@ class RunCallbacks:
             save_on_sigterm: on SIGTERM or Ctrl-C, write ``last.ckpt`` at the current step
                 and print the command that resumes.
             metrics_rows: checkpoints record how many ``metrics.csv`` rows they cover, so
-                a resumed run drops the rows logged after it.
+                a resumed run drops the rows logged after it, and the training epoch's
+                running averages so far, so a resumed epoch logs the uninterrupted run's
+                ``train/loss_epoch``, ``train/acc`` (``EpochAccumulatorsCheckpoint``).
             rng_states: checkpoints carry every random generator's state, so a resumed run
                 continues as if never stopped.
             lr_monitor: log the learning rate (with a logger).
@@ -113,4 +120,7 @@ class RunCallbacks:
             out.append(SaveOnSigterm(resume_command))
         if self.metrics_rows and missing(MetricsRowsCheckpoint):
             out.append(MetricsRowsCheckpoint())
+        # After MetricsRowsCheckpoint, whose trimmed metrics.csv it reads on resume.
+        if self.metrics_rows and missing(EpochAccumulatorsCheckpoint):
+            out.append(EpochAccumulatorsCheckpoint())
         return out
