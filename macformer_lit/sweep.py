@@ -366,13 +366,19 @@ def read_status(folder: Path) -> dict[str, Any] | None:
 
 
 def located_status(folder: Path) -> dict[str, Any] | None:
-    """A point's status, its ``run_dir`` found again inside ``folder`` when the recorded
-    path (relative to where the sweep ran) is not there: a copied or moved sweep folder, such
-    as the committed ``results/<sweep>/``, still reports from its own runs."""
+    """A point's status, its ``run_dir`` found again inside ``folder``: a copied or moved
+    sweep folder, such as the committed ``results/<sweep>/``, reports from its own runs,
+    never from the recorded path (where the sweep ran), even where that path still exists
+    and holds other runs by now."""
     status = read_status(folder)
-    if status and status.get("run_dir") and not Path(status["run_dir"]).is_dir():
-        newest = newest_version(folder)
-        status["run_dir"] = str(newest) if newest else None
+    if status and status.get("run_dir"):
+        recorded = Path(status["run_dir"])
+        own = folder / recorded.name
+        if own.is_dir():
+            status["run_dir"] = str(own)
+        elif not recorded.is_dir():
+            newest = newest_version(folder)
+            status["run_dir"] = str(newest) if newest else None
     return status
 
 
