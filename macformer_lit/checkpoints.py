@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from macformer_lit.attention.spec import full_spec
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
@@ -241,7 +242,8 @@ def _plain(value: Any) -> Any:
 
 def full_attention_spec(spec: Any) -> dict[str, Any]:
     """``spec`` with every option it leaves out set to its default, so that
-    ``{name: softmax}`` equals ``{name: softmax, dropout: 0.0}`` (``attention.spec.full_spec``)."""
+    ``{name: softmax}`` equals ``{name: softmax, dropout: 0.0}``: the complete value of
+    ``attention.parse_spec`` (``ParsedSpec.full``), or the spec as given if it does not parse."""
     return full_spec(_plain(spec))
 
 
@@ -500,7 +502,7 @@ def check_fits(
         _refuse(path, problems, subcommand=subcommand)
     if subcommand == "fit" and run_config is not None:
         note = check_steps(path, checkpoint, run_config)
-        if note:
+        if note and rank_zero_only.rank == 0:  # DDP's other ranks parse the same command
             print(f"macformer_lit: note: {note}", flush=True)
     return changes
 

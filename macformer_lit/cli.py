@@ -23,7 +23,7 @@ import textwrap
 import typing
 from importlib import import_module
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 # Lightning 2.6 still calls deprecated jsonargparse APIs; the warnings only confuse users.
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
@@ -47,10 +47,11 @@ from lightning.pytorch.utilities.exceptions import (  # noqa: E402
 
 from macformer_lit import interrupts, locks, provenance  # noqa: E402
 from macformer_lit.attention.spec import (  # noqa: E402
-    AttentionSpec,
-    as_spec,
+    ParsedSpec,
     check_attention_spec,
     describe_backends,
+    parse_spec,
+    spec_arguments,
 )
 from macformer_lit.callbacks import (  # noqa: E402
     AttentionTelemetry,
@@ -346,7 +347,30 @@ def attention_arguments(class_path: str | None) -> list[str]:
         hints = cls.option_hints() if is_task else typing.get_type_hints(cls.__init__)
     except Exception:  # not importable here: jsonargparse reports it
         return []
-    return [key for key, hint in hints.items() if hint == AttentionSpec]
+    return spec_arguments(hints)
+
+
+def parse_attention_arguments(keys: list[str], init) -> dict[str, Any]:
+    """Each attention argument ``keys`` of the model's ``init`` parsed once, into the value
+    the checks and the trial build take (``attention.ParsedSpec``), or the ``ValueError``
+    that ``_check_attention`` raises once the checks before it have passed; anything else
+    is kept as given, for ``check_attention_spec`` to refuse. A bare name becomes its
+    mapping in ``init``: config.yaml records the mapping."""
+    specs: dict[str, Any] = {}
+    for key in keys:
+        spec = init.get(key)
+        spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
+        if not isinstance(spec, (dict, str)):
+            specs[key] = spec
+            continue
+        try:
+            specs[key] = parse_spec(spec)
+        except ValueError as err:
+            specs[key] = err
+            continue
+        if isinstance(spec, str):
+            init[key] = specs[key].as_dict()
+    return specs
 
 
 # A model's role-specific attention arguments; ``attention`` fills every role it lacks.
@@ -621,22 +645,22 @@ class MacformerCLI(LightningCLI):
         if classes is not None:
             check_task_data(*classes, LINKED)
         init = model.get("init_args") if model is not None and "init_args" in model else None
+        self._attention_specs: dict[str, Any] = {}
         if init is not None:
-            for key in attention_arguments(model.get("class_path")):
-                if isinstance(init.get(key), str):
-                    init[key] = as_spec(init.get(key))  # config.yaml records the mapping
+            keys = attention_arguments(model.get("class_path"))
+            self._attention_specs = parse_attention_arguments(keys, init)
             data_max = data_init.get("max_len") if data_init is not None else None
             max_len = data_max if data_max is not None else init.get("max_len")
             source = "--data.max_len" if data_max is not None else "--model.init_args.max_len"
             check_model_size(max_len, init.get("d_model"), source=source)
             d_model, heads = init.get("d_model"), init.get("num_heads")
-            for key in attention_arguments(model.get("class_path")):
-                spec = init.get(key)
+            for key in keys:
+                spec = self._attention_specs.get(key)
                 if not (isinstance(d_model, int) and isinstance(heads, int) and heads > 0):
                     break
                 # Before the trial build of _check_attention, which allocates the draw.
                 check_feature_memory(
-                    spec.as_dict() if hasattr(spec, "as_dict") else spec,
+                    spec if isinstance(spec, ParsedSpec) else None,
                     where=f"model.init_args.{key}",
                     batch_size=data_init.get("batch_size") if data_init is not None else None,
                     max_len=max_len,
@@ -647,8 +671,8 @@ class MacformerCLI(LightningCLI):
                 )
 
     def _check_attention(self, cfg) -> None:
-        """Every attention spec of the model (its arguments typed ``AttentionSpec``), checked
-        at parse time (attention/spec.py)."""
+        """Every attention spec of the model (its arguments typed ``AttentionSpec``, parsed
+        in ``_preflight``), checked at parse time by a trial build (attention/spec.py)."""
         model = cfg.get("model")
         init = model.get("init_args") if model is not None and "init_args" in model else None
         if init is None or "d_model" not in init or "num_heads" not in init:
@@ -663,8 +687,9 @@ class MacformerCLI(LightningCLI):
         keys = attention_arguments(model.get("class_path"))
         layers = init.get("num_layers", init.get("num_encoder_layers"))
         for key in keys:
-            spec = init.get(key)
-            spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
+            spec = self._attention_specs.get(key)
+            if isinstance(spec, ValueError):
+                raise ValueError(f"model.init_args.{key}: {spec}")
             check_attention_spec(
                 spec,
                 head_dim=d_model // num_heads,

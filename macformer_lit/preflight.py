@@ -465,15 +465,18 @@ def check_feature_memory(
     batch would otherwise be killed by the kernel, or swap for minutes. The estimate is a
     lower bound: the query and key features of one batch at the longest length, in every
     layer whose activations the backward pass keeps (one with ``recompute: true``), and the
-    drawn projections."""
-    if not isinstance(spec, dict):
-        return
-    from macformer_lit.attention.spec import parse_spec
+    drawn projections. ``spec``: the CLI's parsed value (``attention.ParsedSpec``), or a
+    mapping, parsed here."""
+    from macformer_lit.attention.spec import ParsedSpec, parse_spec
 
-    try:
-        parse_spec(spec)
-    except ValueError:
-        return  # a spec that does not parse: the attention check names what is wrong
+    if isinstance(spec, dict):
+        try:
+            spec = parse_spec(spec)
+        except ValueError:
+            return  # a spec that does not parse: the attention check names what is wrong
+    if not isinstance(spec, ParsedSpec):
+        return
+    spec = spec.as_dict()  # as written: an option left at its default is not estimated
     features = spec.get("num_features")
     ints = (features, batch_size, max_len)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in ints):

@@ -32,8 +32,10 @@ class AttentionBackend(nn.Module):
       and hands them on, and ``attention.spec`` follows that to the base.
     - ``_attend(q, k, v, *, key_padding_mask, causal)``: the computation.
     - ``reference(q, k, v, *, key_padding_mask, causal)``: a slow, obviously correct float64
-      version for the contract tests. ``FeatureAttention`` derives it from the feature maps;
-      other backends write it beside ``_attend``.
+      version for the contract tests, from the pure functions of ``attention/reference.py``.
+      ``FeatureAttention`` derives it from the feature maps; other backends write it beside
+      ``_attend``. A module whose ``reference`` also takes ``query_padding_mask`` (ppSBN)
+      sets ``reads_query_mask``.
     - ``step``: one causal decoding step (a key/value cache by default).
     - ``target_kernel``: the exact kernelized attention the backend stands for (telemetry
       measures its error against it).
@@ -45,6 +47,7 @@ class AttentionBackend(nn.Module):
 
     target_kernel: str = "exp"
     random_features: ClassVar[bool] = False
+    reads_query_mask: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 
 from .base import AttentionBackend
 from .features import feature_seed
+from .reference import feature_attention as dense_feature_attention
 
 Denominator = Literal["fallback", "clamp", "abs", "none"]
 DENOMINATOR_POLICIES: tuple[str, ...] = get_args(Denominator)
@@ -223,10 +224,8 @@ class FeatureAttention(AttentionBackend):
 
     def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
         """Dense φ(q)φ(k)ᵀ attention in float64 with this backend's denominator policy."""
-        from .reference import feature_attention
-
         phi_q, phi_k = self.reference_features(q, k, key_padding_mask)
-        return feature_attention(self, phi_q, phi_k, v, key_padding_mask, causal)
+        return dense_feature_attention(self, phi_q, phi_k, v, key_padding_mask, causal)
 
     def recomputes(self, q, k, v) -> bool:
         """Whether this call keeps only its inputs for backward (``recompute`` on, and a graph

@@ -15,7 +15,7 @@ import torch
 
 from .base import AttentionBackend
 from .kernels import get_kernel
-from .reference import keep_mask
+from .reference import keep_mask, kernelized_attention
 
 
 class KernelizedAttention(AttentionBackend):
@@ -48,6 +48,4 @@ class KernelizedAttention(AttentionBackend):
         return out.to(dtype)
 
     def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
-        from .reference import kernelized_attention
-
         return kernelized_attention(q, k, v, self.kernel, key_padding_mask, causal)

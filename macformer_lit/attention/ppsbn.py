@@ -31,6 +31,7 @@ from torch import nn
 from .base import AttentionBackend, check_inputs
 from .feature_attention import FeatureAttention
 from .pieces import batch_slices
+from .reference import post_sbn_reference, pre_sbn_reference, reference_forward
 
 
 def _all_reduce(t: torch.Tensor, differentiable: bool) -> torch.Tensor:
@@ -210,6 +211,8 @@ class PPSBNAttention(AttentionBackend):
     model sets it where the queries are causal although the call is not (decoder
     cross-attention), so that ``sbn_train_stats: auto`` trains on running statistics there.
     """
+
+    reads_query_mask = True
 
     def __init__(
         self,
@@ -454,6 +457,37 @@ class PPSBNAttention(AttentionBackend):
                     self.inner(q, k, v, key_padding_mask=key_padding_mask, causal=causal), ct
                 )
         return out.to(dtype)
+
+    def reference(self, q, k, v, *, key_padding_mask=None, causal=False, query_padding_mask=None):
+        """ppSBN around the core's reference, in float64 (``attention/reference.py``), with
+        the statistics ``forward`` would use. In training, call it before ``forward``, which
+        moves the running estimates."""
+        if self.pre_sbn:
+            q_mask = query_padding_mask
+            if q_mask is None and causal:
+                q_mask = key_padding_mask
+            tau = self.temperature() if self.temperature_max is not None else None
+            q = self._pre_sbn_reference(q, q_mask, 0, causal, tau)
+            k = self._pre_sbn_reference(k, key_padding_mask, 1, causal, None)
+        out = reference_forward(
+            self.inner, q, k, v.double(), key_padding_mask=key_padding_mask, causal=causal
+        )
+        if not self.post_sbn:
+            return out
+        return post_sbn_reference(out, self.gamma, self.log_beta if self.post_sbn_power else None)
+
+    def _pre_sbn_reference(self, x, mask, which: int, causal: bool, tau):
+        running = self.sbn_stats == "batch"
+        return pre_sbn_reference(
+            x,
+            mask,
+            stats=self.sbn_stats,
+            eps=self.sbn_eps,
+            batch=self.training and not self.leak_free(causal),
+            running_mean=self.running_mean[which] if running else None,
+            running_var=self.running_var[which] if running else None,
+            temperature=tau,
+        )
 
     def _core_then_post(self, q, k, v, key_padding_mask, causal):
         return self._finish(self.inner.attend_now(q, k, v, key_padding_mask, causal), q.dtype)

@@ -20,6 +20,7 @@ from typing import Literal, get_args
 import torch
 
 from .base import AttentionBackend
+from .reference import reference_forward
 
 Prefix = Literal["none", "forward", "backward", "split"]
 PREFIXES: tuple[str, ...] = get_args(Prefix)
@@ -132,8 +133,6 @@ class PrefixAttention(AttentionBackend):
         )
 
     def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
-        from .reference import reference_forward
-
         self._check(q, k, causal)
         return self._directions(
             q,

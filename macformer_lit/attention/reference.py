@@ -1,10 +1,13 @@
 """Slow, obviously correct building blocks for the backends' ``reference`` methods, for
 tests and telemetry (fla ``ops/*/naive.py``).
 
-Everything runs in float64 with dense (N, M) matrices, features one at a time from the
-module's own buffers, no stabilisers, no chunking. Each backend's ``reference`` lives with
-the backend (``FeatureAttention`` derives it from the feature maps); ``reference_forward``
-calls it and unwraps ppSBN.
+Everything runs in float64 with dense (N, M) matrices, features one at a time, no
+stabilisers, no chunking. Pure functions: a module's state (its feature draw, its
+denominator policy, ppSBN's running estimates) comes in as arguments, and this file
+imports none of the modules it checks. Each backend's ``reference`` lives with the
+backend (``FeatureAttention`` derives it from the feature maps, ``PPSBNAttention``
+composes ``pre_sbn_reference`` and ``post_sbn_reference`` around its core's);
+``reference_forward`` calls it.
 """
 
 from __future__ import annotations
@@ -111,51 +114,53 @@ def rmf_features(module, x):
     return torch.cat(feats, -1)
 
 
-def _pre_sbn(module, x, mask, which, causal):
+def pre_sbn_reference(
+    x, mask, *, stats, eps, batch, running_mean=None, running_var=None, temperature=None
+):
+    """Pre-SBN of x (B, H, L, d) (docs/maths.md §10): standardised per row (``stats:
+    row``), per (head, channel) over the batch's real rows (``batch``; ``mask`` (B, L) or
+    None), or with the running estimates (H, d); each row then L2-normalised and scaled
+    by ``temperature`` (H, 1, 1) where given."""
     x = x.double()
-    if module.sbn_stats == "row":
+    if stats == "row":
         x = x - x.mean(-1, keepdim=True)
-        x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + module.sbn_eps)
-    elif module.training and not module.leak_free(causal):
+        x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    elif batch:
         real = x.permute(1, 0, 2, 3)  # (H, B, L, d)
         real = real[:, mask] if mask is not None else real.flatten(1, 2)  # (H, n, d)
         mean, var = real.mean(1, keepdim=True), real.var(1, unbiased=False, keepdim=True)
-        x = (x - mean) / torch.sqrt(var + module.sbn_eps)  # (H, 1, d) broadcasts
+        x = (x - mean) / torch.sqrt(var + eps)  # (H, 1, d) broadcasts
     else:
-        mean = module.running_mean[which].double()[:, None]
-        var = module.running_var[which].double()[:, None]
-        x = (x - mean) / torch.sqrt(var + module.sbn_eps)
+        mean, var = running_mean.double()[:, None], running_var.double()[:, None]
+        x = (x - mean) / torch.sqrt(var + eps)
     x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    if which == 0 and module.temperature_max is not None:
-        x = x * module.temperature().double()
-    return x
+    return x if temperature is None else x * temperature.double()
+
+
+def post_sbn_reference(out, gamma, log_beta=None):
+    """Post-SBN: y = γ·out, then sign(y)·|y|^β with β = exp(log_beta) where given."""
+    y = gamma.double() * out
+    if log_beta is not None:
+        y = torch.sign(y) * y.abs().pow(log_beta.double().exp())
+    return y
 
 
 def reference_forward(
     module, q, k, v, *, key_padding_mask=None, causal=False, query_padding_mask=None
 ):
-    """The reference output of any registered backend, ppSBN-wrapped or not (float64).
+    """The reference output of any registered backend, ppSBN-wrapped or not (float64):
+    ``module.reference``, given ``query_padding_mask`` where it reads one (pre-SBN).
 
     For ppSBN in training, call it before the module: the module's forward moves the
     running estimates the reference may read.
     """
-    from .ppsbn import PPSBNAttention
-    from .prefix import PrefixAttention
-
-    if isinstance(module, PrefixAttention):  # its reference unwraps the core
-        return module.reference(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
-    if not isinstance(module, PPSBNAttention):
-        return module.reference(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
-    if module.pre_sbn:
-        q_mask = key_padding_mask if query_padding_mask is None and causal else query_padding_mask
-        q = _pre_sbn(module, q, q_mask, 0, causal)
-        k = _pre_sbn(module, k, key_padding_mask, 1, causal)
-    out = reference_forward(
-        module.inner, q, k, v.double(), key_padding_mask=key_padding_mask, causal=causal
-    )
-    if module.post_sbn:
-        y = module.gamma.double() * out
-        if module.post_sbn_power:
-            y = torch.sign(y) * y.abs().pow(module.log_beta.double().exp())
-        out = y
-    return out
+    if module.reads_query_mask:
+        return module.reference(
+            q,
+            k,
+            v,
+            key_padding_mask=key_padding_mask,
+            causal=causal,
+            query_padding_mask=query_padding_mask,
+        )
+    return module.reference(q, k, v, key_padding_mask=key_padding_mask, causal=causal)

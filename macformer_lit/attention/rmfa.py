@@ -27,6 +27,7 @@ from .feature_attention import (
 )
 from .features import MIN_DEGREE, MaclaurinMap, maclaurin_layout, sample_maclaurin
 from .kernels import get_kernel
+from .reference import rmf_features
 
 
 class RMFAttention(FeatureAttention):
@@ -120,7 +121,5 @@ class RMFAttention(FeatureAttention):
 
     def reference_features(self, q, k, key_padding_mask):
         """Φ one feature at a time from the draw, no range scaling (reference.rmf_features)."""
-        from .reference import rmf_features
-
         s = self.head_dim**-0.25
         return rmf_features(self, q.double() * s), rmf_features(self, k.double() * s)

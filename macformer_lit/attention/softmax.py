@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionBackend
+from .reference import kernelized_attention
 
 
 class SoftmaxAttention(AttentionBackend):
@@ -41,6 +42,4 @@ class SoftmaxAttention(AttentionBackend):
         return out
 
     def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
-        from .reference import kernelized_attention
-
         return kernelized_attention(q, k, v, "exp", key_padding_mask, causal)

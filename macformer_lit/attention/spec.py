@@ -1,29 +1,43 @@
 """The attention spec: what ``attention: {name: rmfa, kernel: exp, pre_sbn: true}`` may say,
-and the one function that checks it.
+the one function that parses it into one value, and the build from that value.
 
 A spec is a backend name and options. The options are declared once, typed, where they
-act: each backend's own ``__init__`` signature (``BACKENDS[name]``, and the base class
-signature its ``**kwargs`` reach: FeatureAttention's denominator, chunk and recompute
-options are written there once) and the ppSBN wrapper's
-(``PPSBNAttention``: ``pre_sbn``, ``post_sbn``, ``sbn_*``, ``temperature_max``). Nothing
-else lists them. ``parse_spec`` checks a spec against those signatures (the backend name,
-each option's name, type and ``Literal`` choices, options of pre-SBN without it) and splits
-it; ``build_attention`` builds from its result, and the constructors check ranges. The CLI
-calls ``check_attention_spec`` (a trial build) on every attention argument of the model
-right after parsing, so a wrong spec stops a run before data is read or a model is built.
+act: each backend's own ``__init__`` signature (``registry.BACKENDS[name]``, and the base
+class signature its ``**kwargs`` reach: FeatureAttention's denominator, chunk and
+recompute options are written there once), the ppSBN wrapper's (``PPSBNAttention``:
+``pre_sbn``, ``post_sbn``, ``sbn_*``, ``temperature_*``) and the prefix wrapper's
+(``prefix``). Nothing else lists them.
+
+``parse_spec`` is the one parser: it checks a spec against those signatures (the backend
+name, each option's name, type and ``Literal`` choices, options of pre-SBN without it) and
+returns a ``ParsedSpec``, frozen and complete (every option at its value, defaults filled
+in). The CLI parses each attention argument once, right after the command line; the tasks
+parse the mappings they are given once and hand the value to the model;
+``build_attention`` builds from a value as it is, and the constructors check ranges.
+``check_attention_spec`` is the CLI's trial build, so a wrong spec stops a run before
+data is read or a model is built.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import torch
+from torch import nn
+
+from .kernels import KERNELS
+from .ppsbn import PPSBNAttention
+from .prefix import PrefixAttention, check_prefix_layers, resolve_prefix
+from .registry import BACKENDS
 
 # What a spec may be in a config: a mapping, a bare backend name, or nothing (softmax).
+# Model arguments with this type are attention specs (``spec_arguments``).
 AttentionSpec = dict[str, Any] | str | None
 
 # Constructor arguments the model supplies, never a spec: the wrapped backend, the head
@@ -36,19 +50,55 @@ POST_OPTIONS = ("post_sbn_power", "post_sbn_gamma")
 ROLES = ("encoder", "decoder", "cross")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class ParsedSpec:
-    """A checked spec: the backend, its options, the ppSBN wrapper's (empty if none), and the
-    encoder's ``prefix`` (``none``, a direction, or one per layer)."""
+    """One attention spec, checked and complete; made by ``parse_spec`` only.
+
+    ``options``: every option of the backend, at its default where the spec leaves it out;
+    ``sbn``: the ppSBN wrapper's (all of them when either switch is on, else the two
+    switches, off); ``prefix``: the encoder's (``none``, a direction, or one per layer).
+    Two values are equal when they build the same attention, so ``{name: softmax}`` equals
+    ``{name: softmax, dropout: 0.0}``; ``as_dict()`` is the mapping as written, which
+    config.yaml and the checkpoints' hyper-parameters record.
+    """
 
     name: str
-    options: dict[str, Any] = field(default_factory=dict)
-    sbn: dict[str, Any] = field(default_factory=dict)
-    prefix: Any = "none"
+    options: Mapping[str, Any]
+    sbn: Mapping[str, Any]
+    prefix: Any
+    given: Mapping[str, Any]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ParsedSpec):
+            return NotImplemented
+        return self.full() == other.full()
+
+    __hash__ = None  # equal values may hold lists (a per-layer prefix)
+
+    def __repr__(self) -> str:
+        return f"ParsedSpec({dict(self.given)!r})"
+
+    def __reduce__(self):
+        # A mappingproxy does not pickle (DDP spawn, deepcopy): rebuilt from plain dicts.
+        fields = (self.name, dict(self.options), dict(self.sbn), self.prefix, dict(self.given))
+        return (_parsed_spec, fields)
 
     @property
     def wrapped(self) -> bool:
         return bool(self.sbn.get("pre_sbn") or self.sbn.get("post_sbn"))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The spec as written (a bare name as ``{name: ...}``), a copy."""
+        return copy.deepcopy(dict(self.given))
+
+    def full(self) -> dict[str, Any]:
+        """Every option at its value: ``{name, **options, **sbn, prefix}``."""
+        return {"name": self.name, **self.options, **self.sbn, "prefix": self.prefix}
+
+
+def _parsed_spec(name, options, sbn, prefix, given) -> ParsedSpec:
+    proxy = types.MappingProxyType
+    return ParsedSpec(name, proxy(options), proxy(sbn), prefix, proxy(given))
 
 
 def constructor_chain(cls: type) -> list[Any]:
@@ -86,23 +136,22 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def backend_options(name: str) -> dict[str, inspect.Parameter]:
     """The options of backend ``name``, in signature order (defaults included)."""
-    from . import BACKENDS
-
     return _parameters(BACKENDS[name])
 
 
 def sbn_options() -> dict[str, inspect.Parameter]:
-    """The ppSBN wrapper's options (``pre_sbn``, ``post_sbn``, ``sbn_*``, ``temperature_max``)."""
-    from .ppsbn import PPSBNAttention
-
+    """The ppSBN wrapper's options (``pre_sbn``, ``post_sbn``, ``sbn_*``, ``temperature_*``)."""
     return _parameters(PPSBNAttention)
 
 
 def prefix_options() -> dict[str, inspect.Parameter]:
     """The prefix wrapper's option (``prefix``)."""
-    from .prefix import PrefixAttention
-
     return _parameters(PrefixAttention)
+
+
+def spec_arguments(hints: Mapping[str, Any]) -> list[str]:
+    """The arguments typed ``AttentionSpec`` among ``hints`` (a constructor's type hints)."""
+    return [key for key, hint in hints.items() if hint == AttentionSpec]
 
 
 def _describe(hint: Any) -> str:
@@ -140,37 +189,39 @@ def _fits(value: Any, hint: Any) -> bool:
     return True  # an annotation this check does not know: left to the constructor
 
 
-def as_spec(spec: AttentionSpec) -> dict[str, Any] | None:
+def _as_mapping(spec: AttentionSpec) -> Any:
     """A bare backend name (``attention: rmfa`` in a config) means ``{name: rmfa}``."""
     return {"name": spec} if isinstance(spec, str) else spec
 
 
 def parse_spec(
-    spec: AttentionSpec = None, *, check_types: bool = True, **options: Any
+    spec: AttentionSpec | ParsedSpec = None, *, check_types: bool = True, **options: Any
 ) -> ParsedSpec:
-    """Check ``spec`` (``{name: ..., **options}``, a bare name, or None for softmax; keyword
-    ``options`` are merged in) against the signatures that declare its options and split
-    it. Raises ``ValueError`` naming the problem and the valid choices. With
-    ``check_types=False`` (``build_attention``: a Python caller) values are left to the
-    constructors' own checks; the CLI checks them here, against the annotations."""
-    from . import BACKENDS
-    from .ppsbn import PPSBNAttention
-    from .prefix import PrefixAttention
-
-    spec = dict(as_spec(spec) or {"name": "softmax"})
-    spec.update(options)
-    if "name" not in spec:
+    """The one value of ``spec`` (``{name: ..., **options}``, a bare name, or None for
+    softmax; keyword ``options`` are merged in), checked against the signatures that
+    declare its options. A ``ParsedSpec`` without ``options`` comes back as it is. Raises
+    ``ValueError`` naming the problem and the valid choices. With ``check_types=False``
+    (a Python caller) values are left to the constructors' own checks; the CLI checks them
+    here, against the annotations."""
+    if isinstance(spec, ParsedSpec):
+        if not options:
+            return spec
+        spec = spec.as_dict()
+    given = copy.deepcopy(dict(_as_mapping(spec) or {"name": "softmax"}))
+    given.update(options)
+    if "name" not in given:
         raise ValueError(
-            f"attention spec {spec} has no 'name'; give e.g. {{name: softmax}} or "
+            f"attention spec {given} has no 'name'; give e.g. {{name: softmax}} or "
             "compose a file from configs/attention/"
         )
-    name = spec.pop("name")
+    rest = dict(given)
+    name = rest.pop("name")
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))}"
         )
     accepted, wrapper, around = backend_options(name), sbn_options(), prefix_options()
-    unknown = sorted(set(spec) - set(accepted) - set(wrapper) - set(around))
+    unknown = sorted(set(rest) - set(accepted) - set(wrapper) - set(around))
     if unknown:
         raise ValueError(
             f"attention backend {name!r} has no option(s) {', '.join(unknown)}; its options are: "
@@ -181,14 +232,14 @@ def parse_spec(
         if check_types
         else {}
     )
-    for key, value in spec.items():
+    for key, value in rest.items():
         hint = hints.get(key)
         if hint is not None and not _fits(value, hint):
             raise ValueError(
                 f"option {key}={value!r} of attention backend {name!r} must be {_describe(hint)}"
             )
-    prefix = spec.pop("prefix", "none") if "prefix" not in accepted else "none"
-    sbn = {key: spec.pop(key) for key in list(spec) if key in wrapper and key not in accepted}
+    prefix = rest.pop("prefix", "none") if "prefix" not in accepted else "none"
+    sbn = {key: rest.pop(key) for key in list(rest) if key in wrapper and key not in accepted}
     post = [key for key in sbn if key in POST_OPTIONS]
     if post and not sbn.get("post_sbn"):
         raise ValueError(f"option(s) {', '.join(post)} act inside post-SBN: set post_sbn: true")
@@ -197,31 +248,81 @@ def parse_spec(
         raise ValueError(f"option(s) {', '.join(inside)} act inside pre-SBN: set pre_sbn: true")
     sbn.setdefault("pre_sbn", False)
     sbn.setdefault("post_sbn", False)
-    return ParsedSpec(name, spec, sbn, prefix)
+    wrapped = bool(sbn["pre_sbn"] or sbn["post_sbn"])
+    defaults = {k: p.default for k, p in accepted.items()}
+    if sbn["pre_sbn"] and "bounded_inputs" in defaults:
+        defaults["bounded_inputs"] = True  # pre-SBN bounds |q·k|/√d (docs/maths.md §10)
+    sbn_full = {k: p.default for k, p in wrapper.items() if wrapped or k in SBN_SWITCHES}
+    return ParsedSpec(
+        name=name,
+        options=types.MappingProxyType({**defaults, **rest}),
+        sbn=types.MappingProxyType({**sbn_full, **sbn}),
+        prefix=prefix,
+        given=types.MappingProxyType(given),
+    )
 
 
-def full_spec(spec: AttentionSpec) -> dict[str, Any]:
-    """``spec`` with every option it leaves out at its default, as ``build_attention``
-    resolves it (so ``{name: softmax}`` equals ``{name: softmax, dropout: 0.0}``); a spec
-    that does not parse comes back as given."""
+def full_spec(spec: AttentionSpec | ParsedSpec) -> dict[str, Any]:
+    """``parse_spec(spec).full()``: every option at its value (so ``{name: softmax}`` equals
+    ``{name: softmax, dropout: 0.0}``); a spec that does not parse comes back as given."""
     try:
-        parsed = parse_spec(spec)
+        return parse_spec(spec).full()
     except ValueError:
-        return dict(as_spec(spec) or {})
-    full: dict[str, Any] = {"name": parsed.name}
-    full.update({k: p.default for k, p in backend_options(parsed.name).items()})
-    wrapper = sbn_options()
-    full.update({k: p.default for k, p in wrapper.items() if parsed.wrapped or k in SBN_SWITCHES})
-    if parsed.sbn["pre_sbn"] and "bounded_inputs" in full:
-        full["bounded_inputs"] = True  # build_attention's own rule
-    full.update(parsed.options)
-    full.update(parsed.sbn)
-    full["prefix"] = parsed.prefix
-    return full
+        return dict(_as_mapping(spec) or {})
+
+
+def build_attention(
+    spec: AttentionSpec | ParsedSpec = None,
+    *,
+    head_dim: int,
+    num_heads: int,
+    causal_queries: bool = False,
+    role: str = "encoder",
+    layer: int | None = None,
+    **options: Any,
+) -> nn.Module:
+    """Build the backend a spec names for heads of size ``head_dim``.
+
+    ``spec`` is a ``ParsedSpec`` (built from as it is), or what ``parse_spec`` takes: a
+    mapping ``{name: rmfa, kernel: exp, ...}`` as in ``configs/attention/``, a bare backend
+    name, or None (softmax), with keyword ``options`` added, so ``build_attention("rmfa",
+    head_dim=16, num_heads=4, pre_sbn=True)`` works too. ``PPSBNAttention`` wraps the
+    backend when either of ``pre_sbn``, ``post_sbn`` is on; with pre-SBN, a backend that
+    takes ``bounded_inputs`` gets True. ``causal_queries`` is the model's to set: queries
+    causal although the call is not (decoder cross-attention), which ppSBN's
+    ``sbn_train_stats: auto`` then respects. ``role`` (``encoder``, ``decoder`` or
+    ``cross``) and ``layer`` (the encoder layer) are the model's too: ``prefix`` (prefix
+    sums in an encoder, ``PrefixAttention``, inside ppSBN) acts in an encoder's
+    self-attention only, one value or one per layer.
+    """
+    if head_dim < 1 or num_heads < 1:
+        raise ValueError(f"head_dim and num_heads must be >= 1; got {head_dim}, {num_heads}")
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+    parsed = parse_spec(spec, check_types=False, **options)
+    if parsed.prefix not in ("none", None) and role != "encoder":
+        raise ValueError(
+            f"prefix acts in an encoder's self-attention only, not in {role} attention (a "
+            "decoder is causal already; cross-attention has no order between queries and "
+            "keys): put it in encoder_attention"
+        )
+    direction = resolve_prefix(parsed.prefix, layer) if role == "encoder" else "none"
+    backend = BACKENDS[parsed.name](head_dim=head_dim, num_heads=num_heads, **parsed.options)
+    if direction != "none":
+        backend = PrefixAttention(backend, num_heads=num_heads, prefix=parsed.prefix, layer=layer)
+    if not parsed.wrapped:
+        return backend
+    return PPSBNAttention(
+        backend,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        causal_queries=causal_queries,
+        **parsed.sbn,
+    )
 
 
 def check_attention_spec(
-    spec: dict[str, Any] | None,
+    spec: dict[str, Any] | ParsedSpec | None,
     *,
     head_dim: int,
     num_heads: int,
@@ -229,17 +330,15 @@ def check_attention_spec(
     roles: tuple[str, ...] = ("encoder",),
     num_layers: int | None = None,
 ) -> None:
-    """Raise ``ValueError`` (prefixed by ``where``) if ``spec``, a mapping as in
-    ``configs/attention/``, would not build: ``parse_spec``'s checks, then the constructors'
-    range checks by one trial build for this head shape, with the global random state
-    saved and restored, so a seeded run draws the same weights. ``roles``: where the model
-    builds it (``ROLES``); ``num_layers``: its encoder's depth (a per-layer ``prefix``)."""
-    from . import build_attention
-    from .prefix import check_prefix_layers
-
+    """Raise ``ValueError`` (prefixed by ``where``) if ``spec``, a ``ParsedSpec`` or a
+    mapping as in ``configs/attention/``, would not build: ``parse_spec``'s checks, then
+    the constructors' range checks by one trial build for this head shape, with the global
+    random state saved and restored, so a seeded run draws the same weights. ``roles``:
+    where the model builds it (``ROLES``); ``num_layers``: its encoder's depth (a
+    per-layer ``prefix``)."""
     if spec is None:
         return
-    if not isinstance(spec, dict):
+    if not isinstance(spec, (dict, ParsedSpec)):
         raise ValueError(
             f"{where} must be a mapping like {{name: rmfa, kernel: exp}}; got {spec!r}"
         )
@@ -251,7 +350,7 @@ def check_attention_spec(
             for role in roles:
                 layer = 0 if role == "encoder" else None
                 build_attention(
-                    spec, head_dim=head_dim, num_heads=num_heads, role=role, layer=layer
+                    parsed, head_dim=head_dim, num_heads=num_heads, role=role, layer=layer
                 )
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
@@ -259,8 +358,6 @@ def check_attention_spec(
 
 def describe_backends() -> str:
     """Every backend's options with their types and defaults, for ``--help``."""
-    from . import BACKENDS, KERNELS
-    from .ppsbn import PPSBNAttention
 
     def line(cls: type, key: str, param: inspect.Parameter) -> str:
         hint = _hints(cls).get(key)
@@ -271,8 +368,6 @@ def describe_backends() -> str:
         f"  {name}: " + ", ".join(line(cls, k, p) for k, p in _parameters(cls).items())
         for name, cls in BACKENDS.items()
     ]
-    from .prefix import PrefixAttention
-
     wrapper = ", ".join(line(PPSBNAttention, k, p) for k, p in sbn_options().items())
     around = ", ".join(line(PrefixAttention, k, p) for k, p in prefix_options().items())
     return "\n".join(

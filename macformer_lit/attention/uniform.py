@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionBackend
+from .reference import uniform_attention
 
 
 class _IgnoringQK(torch.autograd.Function):
@@ -58,8 +59,6 @@ class UniformAttention(AttentionBackend):
         return out
 
     def reference(self, q, k, v, *, key_padding_mask=None, causal=False):
-        from .reference import uniform_attention
-
         out = uniform_attention(q, k, v, key_padding_mask, causal)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             out = _IgnoringQK.apply(out, q, k)

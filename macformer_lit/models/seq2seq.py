@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macformer_lit.attention import AttentionSpec
+from macformer_lit.attention import AttentionSpec, ParsedSpec, parse_spec
 
 from .dropout import Dropout
 from .transformer import Encoder, FeedForward, MultiHeadAttention
@@ -39,8 +39,8 @@ class DecoderBlock(nn.Module):
         num_heads: int,
         ffn_dim: int,
         dropout: float,
-        self_attention: AttentionSpec = None,
-        cross_attention: AttentionSpec = None,
+        self_attention: AttentionSpec | ParsedSpec = None,
+        cross_attention: AttentionSpec | ParsedSpec = None,
     ) -> None:
         super().__init__()
         self.ln_self = nn.LayerNorm(d_model)
@@ -181,14 +181,17 @@ class Seq2SeqTransformer(nn.Module):
         )
         self.pos_emb = nn.Embedding(max_len, d_model)
         self.dropout = Dropout(dropout)
+        # Each role's spec parsed once, for all its layers.
+        decoder_spec = parse_spec(decoder_attention or attention, check_types=False)
+        cross_spec = parse_spec(cross_attention or attention, check_types=False)
         self.blocks = nn.ModuleList(
             DecoderBlock(
                 d_model=d_model,
                 num_heads=num_heads,
                 ffn_dim=ffn_dim,
                 dropout=dropout,
-                self_attention=decoder_attention or attention,
-                cross_attention=cross_attention or attention,
+                self_attention=decoder_spec,
+                cross_attention=cross_spec,
             )
             for _ in range(num_decoder_layers)
         )

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from macformer_lit.attention import AttentionSpec, build_attention
+from macformer_lit.attention import AttentionSpec, ParsedSpec, build_attention, parse_spec
 from macformer_lit.attention.prefix import check_prefix_layers
-from macformer_lit.attention.spec import as_spec
 from macformer_lit.models.dropout import Dropout
 
 
@@ -23,14 +22,15 @@ class MultiHeadAttention(nn.Module):
         *,
         d_model: int,
         num_heads: int,
-        attention: AttentionSpec = None,
+        attention: AttentionSpec | ParsedSpec = None,
         causal_queries: bool = False,
         role: str = "encoder",
         layer: int | None = None,
     ) -> None:
-        """``attention`` is passed to ``build_attention`` as it is; ``causal_queries``: the
-        queries are causal although the call is not (decoder cross-attention); ``role``
-        and ``layer``: where the model builds it (an encoder's ``prefix`` reads them)."""
+        """``attention`` (a spec or its ``ParsedSpec``) is passed to ``build_attention``;
+        ``causal_queries``: the queries are causal although the call is not (decoder
+        cross-attention); ``role`` and ``layer``: where the model builds it (an encoder's
+        ``prefix`` reads them)."""
         super().__init__()
         if d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
@@ -121,7 +121,7 @@ class EncoderBlock(nn.Module):
         num_heads: int,
         ffn_dim: int,
         dropout: float,
-        attention: AttentionSpec = None,
+        attention: AttentionSpec | ParsedSpec = None,
         layer: int | None = None,
     ) -> None:
         super().__init__()
@@ -156,7 +156,7 @@ class Encoder(nn.Module):
         num_layers: int,
         ffn_dim: int,
         dropout: float,
-        attention: AttentionSpec = None,
+        attention: AttentionSpec | ParsedSpec = None,
         cls_token: bool = False,
     ) -> None:
         super().__init__()
@@ -174,8 +174,9 @@ class Encoder(nn.Module):
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
         if not 0 <= pad_id < vocab_size:
             raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {vocab_size})")
-        spec = as_spec(attention)
-        check_prefix_layers((spec or {}).get("prefix"), num_layers)
+        # Parsed once for every layer (a ParsedSpec from the task comes back as it is).
+        spec = parse_spec(attention, check_types=False)
+        check_prefix_layers(spec.prefix, num_layers)
         self.max_len = max_len
         # No padding_idx: padded positions are masked out of attention and pooling anyway,
         # and for pixel tasks (Image, Pathfinder) id 0 is a real pixel value, not padding.
@@ -189,7 +190,7 @@ class Encoder(nn.Module):
                 num_heads=num_heads,
                 ffn_dim=ffn_dim,
                 dropout=dropout,
-                attention=attention,
+                attention=spec,
                 layer=i,
             )
             for i in range(num_layers)

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torchmetrics import Metric
 
-from macformer_lit.attention.spec import AttentionSpec, as_spec
+from macformer_lit.attention.spec import ParsedSpec, parse_spec, spec_arguments
 
 from .compat import CheckpointCompatibility
 from .optim import adamw_warmup_linear
@@ -74,13 +74,20 @@ class LitTask(CheckpointCompatibility, L.LightningModule):
                 self._hparams_initial[key] = default
 
     @classmethod
-    def mapping_specs(cls, model: dict[str, Any]) -> None:
-        """A bare backend name becomes ``{name: ...}`` in place, before
-        ``save_hyperparameters`` reads it (checkpoints and config.yaml keep the mapping)."""
-        hints = cls.option_hints()
-        for key, value in model.items():
-            if isinstance(value, str) and hints.get(key) == AttentionSpec:
-                model[key] = as_spec(value)
+    def parse_specs(cls, model: dict[str, Any]) -> dict[str, ParsedSpec]:
+        """Each attention spec among the model options (``AttentionSpec`` arguments), parsed
+        once: the values the model builds from. A spec given as a bare name (or a value)
+        becomes its mapping in ``model``, before ``save_hyperparameters`` reads it, so the
+        checkpoints and config.yaml keep the mapping. A spec left empty stays: the model's
+        default (softmax, or for a role, as ``attention``)."""
+        specs = {}
+        for key in spec_arguments(cls.option_hints()):
+            if not model.get(key):
+                continue
+            specs[key] = parse_spec(model[key], check_types=False)
+            if isinstance(model[key], (str, ParsedSpec)):
+                model[key] = specs[key].as_dict()
+        return specs
 
     def _shared_step(self, batch, stage: str) -> torch.Tensor:
         raise NotImplementedError

@@ -72,9 +72,10 @@ class LitClassifier(LitTask):
         """
         super().__init__()
         check_optim_args(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
-        self.mapping_specs(model)
+        specs = self.parse_specs(model)
         self.save_hyperparameters()
         self.record_model_defaults()
+        model.update(specs)  # the model builds from the parsed values
         # Direct calls with **model: jsonargparse reads the options from both signatures.
         if not dual_encoder:
             self.model = EncoderClassifier(**model)

@@ -158,9 +158,10 @@ class LitTranslator(LitTask):
             )
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0; got {num_samples}")
-        self.mapping_specs(model)
+        specs = self.parse_specs(model)
         self.save_hyperparameters()
         self.record_model_defaults()
+        model.update(specs)  # the model builds from the parsed values
         self.model = Seq2SeqTransformer(**model)
         # nn.Module reserves the key "train", hence the suffixes.
         self.ppl = torch.nn.ModuleDict({f"{s}_ppl": TokenPerplexity() for s in STAGES})

@@ -225,3 +225,27 @@ def test_which_keys_may_change():
         "run_callbacks.rng_states",
         "trainer.callbacks",
     ]
+
+
+def test_the_only_test_left_note_is_printed_by_rank_zero_only(tmp_path, capsys, monkeypatch):
+    """DDP's other ranks parse the same command and check the same checkpoint: one note."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from macformer_lit.checkpoints import check_fits
+
+    run = tmp_path / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.csv").write_text("step,train/loss\n3,1.0\n")  # no test result yet
+    checkpoint = {"global_step": 4, "epoch": 0, "hyper_parameters": {}}
+    config = {"trainer": {"max_steps": 4}, "test_after_fit": True}
+    for rank, printed in ((0, True), (1, False)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        check_fits(
+            run / "checkpoints/last.ckpt",
+            checkpoint,
+            {},
+            subcommand="fit",
+            saved_config=config,
+            run_config=config,
+        )
+        assert ("only that test runs" in capsys.readouterr().out) is printed
