@@ -4,7 +4,8 @@
   steps (forward, backward, optimiser; validation excluded); tokens are real, non-padded
   ones, counted from the batch's padding masks.
 - ``train/time_sec``: cumulative training-step time of the run (kept across resumes in
-  the checkpoint), the number ``report`` normalises to the softmax run.
+  the checkpoint, the steps of an epoch stopped midway included), the number ``report``
+  normalises to the softmax run.
 - ``train/peak_gpu_mem_mb``: ``torch.cuda.max_memory_allocated`` since the epoch began,
   the max over ranks, and ``train/peak_gpu_mem_mb_rank{r}`` for every rank ``r`` (gathered
   from all ranks; rank 0 logs them). On CPU, ``train/peak_rss_mb`` and
@@ -44,6 +45,7 @@ class ThroughputMemoryMonitor(L.Callback):
     def __init__(self) -> None:
         self.total_time = 0.0
         self._epoch_time = 0.0
+        self._epoch_counted = False  # _epoch_time already added to total_time
         self._batch_start = 0.0
         self._samples = 0
         self._tokens = 0
@@ -55,7 +57,7 @@ class ThroughputMemoryMonitor(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        self._epoch_time = 0.0
+        self._epoch_time, self._epoch_counted = 0.0, False
         self._samples = self._tokens = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -74,6 +76,7 @@ class ThroughputMemoryMonitor(L.Callback):
             # An epoch with no batches (e.g. resumed right at its end): nothing measured.
             return
         self.total_time += self._epoch_time
+        self._epoch_counted = True
         elapsed = max(self._epoch_time, 1e-9)
         pl_module.log(
             "train/samples_per_sec", self._samples / elapsed, sync_dist=True, reduce_fx="sum"
@@ -96,7 +99,10 @@ class ThroughputMemoryMonitor(L.Callback):
             pl_module.log(f"{key}_rank{rank}", value)
 
     def state_dict(self) -> dict:
-        return {"total_time": self.total_time}
+        # A checkpoint inside an epoch (a stop, a validation midway) counts that epoch's
+        # steps so far: the resumed process adds only the steps it runs.
+        pending = 0.0 if self._epoch_counted else self._epoch_time
+        return {"total_time": self.total_time + pending}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.total_time = float(state_dict.get("total_time", 0.0))

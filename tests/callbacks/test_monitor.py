@@ -29,3 +29,16 @@ def test_total_time_survives_a_checkpoint():
     restored = ThroughputMemoryMonitor()
     restored.load_state_dict(cb.state_dict())
     assert restored.total_time == 12.5
+
+
+def test_a_checkpoint_inside_an_epoch_counts_its_steps_so_far():
+    """Stopped midway through an epoch, the run's training time must not lose the steps
+    it ran in that epoch: the resumed process adds only its own; at the epoch's end the
+    epoch is in total_time already and is not counted twice."""
+    cb = ThroughputMemoryMonitor()
+    cb.total_time, cb._epoch_time = 10.0, 2.5  # 2.5 s of steps into the next epoch
+    restored = ThroughputMemoryMonitor()
+    restored.load_state_dict(cb.state_dict())
+    assert restored.total_time == 12.5
+    cb.total_time, cb._epoch_counted = 12.5, True  # the epoch's end added it
+    assert cb.state_dict()["total_time"] == 12.5
