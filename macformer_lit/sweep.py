@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
+import functools
 import io
 import itertools
 import json
@@ -63,6 +65,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +82,8 @@ from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
 from macformer_lit.preflight import UsageError, check_config_file
 from macformer_lit.report import BOOKKEEPING
 from macformer_lit.runs import newest_version
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 FILE_KEYS = {"name", "command", "config", "args", "axes", "plot", "report"}
 # x: the curves' axis, epochs (the default) or training steps (for runs inside one epoch).
@@ -546,17 +551,34 @@ class SweepInterrupted(Exception):
         self.signum = signum
 
 
+def _stop_with_parent(parent: int) -> None:
+    """In the point's process before it starts (Linux): SIGTERM when the sweep dies, even by
+    SIGKILL, so the point saves ``last.ckpt`` and stops instead of training on unwatched
+    (its own session keeps it out of the sweep's process group)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            return
+    except (OSError, AttributeError):
+        return  # not Linux: no parent-death signal
+    if os.getppid() != parent:  # the sweep died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _run_child(cmd: list[str], log, env: dict) -> tuple[int, int | None]:
     """Run a point's process to its end; a stop signal to the sweep is passed on to it once
     per signal (its own session: a terminal's Ctrl-C reaches the sweep alone, so a first
     Ctrl-C saves the fit's last.ckpt and a second aborts it, as for a fit run by hand), and
     the sweep waits for it. Returns the exit code and the first stop signal, if any."""
-    import signal
-
     from macformer_lit import interrupts
 
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=functools.partial(_stop_with_parent, os.getpid()),
     )
     stop = None
     while True:

@@ -258,7 +258,8 @@ def test_ctrl_c_in_an_evaluation_is_one_line_and_leaves_no_folder(reference, tmp
     assert not (tmp_path / "runs/scored").exists()
 
 
-def test_ctrl_c_in_a_sweep_saves_the_point_and_says_how_to_go_on(tmp_path):
+def _tiny_sweep(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A one-point sweep of the tiny fit (with ``PauseAt``) and the command that runs it."""
     fit = _fit_args(tmp_path, "unused")
     shared = fit[fit.index("--data.data_dir") : fit.index("--runs_dir")]
     sweep = tmp_path / "tiny.yaml"
@@ -272,7 +273,51 @@ def test_ctrl_c_in_a_sweep_saves_the_point_and_says_how_to_go_on(tmp_path):
         "axes:\n  seed:\n    '0': {seed_everything: 0}\n"
     )
     cmd = [sys.executable, "-m", "macformer_lit", "sweep", str(sweep), "--runs_dir", "runs"]
-    cmd += ["--wandb_mode", "disabled"]
+    return sweep, cmd + ["--wandb_mode", "disabled"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has stopped; only its parent's wait is missing
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_a_sweep_killed_outright_stops_its_point_with_a_checkpoint(tmp_path):
+    """SIGKILL (the OOM killer, kill -9) gives the sweep no chance to pass a signal on: its
+    point, in a session of its own, used to train on unwatched. It gets SIGTERM from the
+    kernel instead, saves last.ckpt and stops; running the sweep again goes on from it."""
+    sweep, cmd = _tiny_sweep(tmp_path)
+    mark = tmp_path / "paused"
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=_env(PAUSE_AT="train:3", PAUSE_MARK=str(mark)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while not mark.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert mark.exists(), "the point never reached step 3"
+    point = int(mark.read_text())
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.time() + 120
+    while _alive(point) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(point), "the point trained on after its sweep was killed"
+    ckpt = tmp_path / "runs/tiny/seed=0/version_0/checkpoints/last.ckpt"
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 3
+    again = _run(cmd, tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 6
+
+
+def test_ctrl_c_in_a_sweep_saves_the_point_and_says_how_to_go_on(tmp_path):
+    sweep, cmd = _tiny_sweep(tmp_path)
     code, out, err = _interrupt(cmd, tmp_path, "train:3", signal.SIGINT, start_new_session=True)
     assert code == 130, out[-2000:] + err[-3000:]
     assert "Traceback" not in err + out, err[-3000:]
