@@ -919,13 +919,15 @@ def _main(args: list[str] | None, argv: list[str]) -> None:
     except BaseException as err:
         _abandon_unstarted()
         # W&B's closing lines ("You can sync this run ...") would print after the error.
+        if isinstance(err, SIGTERMException):
+            # Stopped on purpose, last.ckpt saved: preempted, the shell's code for the signal.
+            code = interrupts.exit_code(getattr(err, "stop_signal", 15))
+            finish_wandb_quietly(code, preempted=True)
+            raise SystemExit(code) from None
         finish_wandb_quietly()
         if isinstance(err, ConfigNotFound):
             print(err.code, file=sys.stderr)
             raise SystemExit(2) from None
-        if isinstance(err, SIGTERMException):
-            # Stopped on purpose, last.ckpt saved: the shell's code for the signal.
-            raise SystemExit(interrupts.exit_code(getattr(err, "stop_signal", 15))) from None
         if isinstance(err, interrupts.Interrupted):
             _interrupted(err, argv)
         if isinstance(err, UsageError):

@@ -221,15 +221,19 @@ def _quiet():
     return stack
 
 
-def finish_wandb_quietly(exit_code: int = 1) -> None:
+def finish_wandb_quietly(exit_code: int = 1, *, preempted: bool = False) -> None:
     """Close this process's W&B run without its closing lines ("You can sync this run ...",
     the run summary): printed at exit, after the error that ended the run, they would
-    bury it. The run's folder is kept; ``wandb sync`` still takes it."""
+    bury it. The run's folder is kept; ``wandb sync`` still takes it. ``preempted``: a
+    stop on purpose that saved ``last.ckpt`` (SIGTERM, Ctrl-C): the run is marked
+    preempting, which W&B shows as preempted, not failed."""
     wandb = sys.modules.get("wandb")
     if wandb is None or getattr(wandb, "run", None) is None:
         return
     try:
         with _quiet():
+            if preempted:
+                wandb.run.mark_preempting()
             wandb.finish(exit_code=exit_code)
     except Exception:  # closing is best effort: the error being reported matters more
         pass

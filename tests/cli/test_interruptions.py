@@ -410,3 +410,52 @@ def test_sigterm_during_generation_in_fit_removes_its_files_and_folder(tmp_path)
     assert err.strip().splitlines()[-1].startswith("macformer_lit: fit interrupted (SIGTERM)")
     assert not [p for p in data.rglob("*") if ".tmp" in p.name]
     assert not (tmp_path / "runs/gen").exists()
+
+
+def _wandb_records(run_file: Path) -> list[str]:
+    """The record types in an offline W&B run file, in order (what ``wandb sync`` sends)."""
+    from wandb.proto import wandb_internal_pb2
+
+    # LevelDB's log format behind W&B's 7-byte header: 32 KiB blocks of fragments, each
+    # with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last).
+    raw, block, kinds, pending = run_file.read_bytes(), 32768, [], b""
+    pos = 7
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:  # the block's tail is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(raw[pos + 4 : pos + 6], "little"), raw[pos + 6]
+        if kind == 0 and length == 0:
+            break  # zero padding: the end of what was written
+        pending += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            kinds.append(record.WhichOneof("record_type"))
+            pending = b""
+    return kinds
+
+
+def test_a_run_stopped_by_sigterm_is_preempted_in_wandb_not_failed(tmp_path):
+    """The offline W&B run of a fit stopped on purpose (last.ckpt saved, exit 143) carries
+    W&B's preempting record, so a synced run shows preempted and a crash stays a crash."""
+    args = _fit_args(tmp_path, "wb")
+    args[args.index("--wandb_mode") + 1] = "offline"
+    mark = tmp_path / "paused"
+    env = {**_env(PAUSE_AT="train:3", PAUSE_MARK=str(mark)), "WANDB_MODE": "offline"}
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 240
+    while not mark.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert mark.exists(), proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err[-3000:]
+    (run_file,) = (tmp_path / "runs/wb").rglob("*.wandb")
+    kinds = _wandb_records(run_file)
+    assert "preempting" in kinds, kinds
+    assert kinds.index("preempting") < kinds.index("exit")
