@@ -18,6 +18,9 @@
   a setting that changes what is trained is refused, one that may change (a later
   ``max_steps``, logging, devices, observing callbacks) is returned to be recorded, and a
   ``max_steps`` the checkpoint has reached is refused (docs/architecture.md §6).
+- ``open_ckpt_path``: all of the above for one run's ``--ckpt_path``, before anything is
+  built (``AskedCheckpoint``: the checkpoint, this run's config, the changes a resume
+  records, and the folder a ``fit --ckpt_path last`` goes on in).
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+import yaml
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
+from macformer_lit import provenance, yamlio
 from macformer_lit.attention.spec import full_spec
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.runs import versions
@@ -537,3 +543,101 @@ def _refuse(path: Path, problems: list[str], *, subcommand: str) -> None:
         + "; ".join(problems)
         + f". Either {hint}, or name a checkpoint trained with this run's settings"
     )
+
+
+@dataclass
+class AskedCheckpoint:
+    """What ``--ckpt_path`` brought to this run; all None when it named nothing."""
+
+    path: Path | None = None
+    # Structure only (mmap): the weights are read once, by the Trainer.
+    contents: dict | None = None
+    # This run's config as config.yaml holds it (a fit's; recorded in its checkpoints).
+    run_config: dict | None = None
+    # What a resume changes, for provenance.yaml.
+    changes: list[dict] = field(default_factory=list)
+    # The folder a ``fit --ckpt_path last`` goes on in.
+    resume_dir: Path | None = None
+
+    @property
+    def info(self) -> dict | None:
+        if self.path is None:
+            return None
+        return {"path": str(self.path), "step": self.contents.get("global_step")}
+
+    def check_model(self, ckpt_path: str, model: Any, subcommand: str) -> None:
+        """The checkpoint against the model as built, data-linked sizes included."""
+        if self.contents is None or not hasattr(model, "hparams"):
+            return
+        check_fits(Path(ckpt_path), self.contents, dict(model.hparams), subcommand=subcommand)
+
+
+def open_ckpt_path(
+    cfg, subcommand: str | None, exp_dir: Path, *, plain_config: Callable[[], dict]
+) -> AskedCheckpoint:
+    """``--ckpt_path`` resolved, loaded and compared with the command line; ``cfg.ckpt_path``
+    set to what the Trainer loads (None for a ``fit --ckpt_path last`` with nothing to
+    resume, which starts anew). ``plain_config``: this run's config as config.yaml holds it."""
+    asked = AskedCheckpoint()
+    # Our checkpoints hold only tensors and plain containers: load them without
+    # unpickling arbitrary objects unless the user asks otherwise (--weights_only false).
+    if "weights_only" in cfg and cfg.get("weights_only") is None:
+        cfg.weights_only = True
+    value = cfg.get("ckpt_path")
+    resolved = resolve_ckpt_path(subcommand, value, exp_dir) if subcommand else None
+    if resolved is not None:
+        cfg.ckpt_path = str(resolved)
+        asked.path = resolved
+        asked.contents = load_checkpoint(
+            resolved, weights_only=cfg.get("weights_only") is not False, mmap=True
+        )
+        model = cfg.get("model")
+        init = model.get("init_args") if model is not None and "init_args" in model else None
+        saved_config = None
+        if subcommand == "fit":
+            asked.run_config = plain_config()
+            saved_config = saved_run_config(resolved, asked.contents)
+        if init is not None:
+            asked.changes = check_fits(
+                resolved,
+                asked.contents,
+                # The data-linked sizes are known once the data is built.
+                {k: v for k, v in vars(init).items() if k not in DATA_LINKED},
+                subcommand=subcommand,
+                run_class_path=model.get("class_path"),
+                saved_config=saved_config,
+                run_config=asked.run_config,
+            )
+    elif subcommand == "fit":
+        asked.run_config = plain_config()
+    if subcommand == "fit" and value == "last":
+        found = None if resolved is None else resolved.parent.parent
+        if found is None:
+            rank_zero_info(f"--ckpt_path last: nothing to resume under {exp_dir}; starting anew")
+            cfg.ckpt_path = None
+        else:
+            asked.resume_dir = found
+            cfg.ckpt_path = str(found / "checkpoints" / "last.ckpt")
+            rank_zero_info(f"Resuming from {cfg.ckpt_path}")
+    return asked
+
+
+def saved_run_config(ckpt: Path, checkpoint: Mapping[str, Any]) -> dict | None:
+    """The config the checkpoint trained with: recorded in it, else its run folder's
+    ``config.yaml`` with the changes its resumes recorded; None when neither exists."""
+    recorded = checkpoint.get(provenance.CHECKPOINT_KEY)
+    if isinstance(recorded, dict) and isinstance(recorded.get("config"), dict):
+        return recorded["config"]
+    folder = ckpt.parent.parent
+    try:
+        config = yamlio.load_file(folder / "config.yaml")
+        entries = provenance.read(folder)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, provenance.RecordError):
+        config = None
+    if not isinstance(config, dict):
+        rank_zero_info(
+            f"--ckpt_path {ckpt}: no config recorded with it or beside it; only its model "
+            "settings are compared with this run's"
+        )
+        return None
+    return provenance.effective_config(config, entries)

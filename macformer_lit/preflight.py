@@ -22,20 +22,34 @@ built or a run folder exists:
   random features that cannot fit in memory (``check_feature_memory``); W&B online without
   a key is ``loggers.check_wandb_mode``.
 
-Then ``runs.RunFolder`` takes the run's folder. A write that fails for want of space later
-(a full disk while metrics are written) is one line too (``disk_full``, in ``cli.main``).
+The CLI runs them in two calls on the parsed command line: ``check_command`` right after
+parsing (every check above, the attention specs parsed into values), ``check_attention``
+once a checkpoint is resolved (each spec trial-built). Then ``runs.RunFolders`` takes the
+run's folder. A write that fails for want of space later (a full disk while metrics are
+written) is one line too (``disk_full``, in ``errors.exit_for``).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
+import typing
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from macformer_lit import yamlio
+from macformer_lit.attention.spec import (
+    ParsedSpec,
+    check_attention_spec,
+    parse_spec,
+    spec_arguments,
+)
+from macformer_lit.loggers import check_wandb_mode
+from macformer_lit.tasks.base import LitTask
 
 
 class UsageError(SystemExit):
@@ -692,3 +706,163 @@ def check_task_data(model_cls: type, data_cls: type, linked: tuple[str, ...]) ->
         "model with translation data (translation_synthetic.yaml, multi30k.yaml) and a "
         "classifier with classification data (lra_*.yaml, listops_short_cpu.yaml)"
     )
+
+
+# ---- the parsed command line (cli.MacformerCLI) --------------------------------------------
+def import_class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(import_module(module), name)
+
+
+def is_task(model) -> bool:
+    """Whether the model config names one of our tasks (``LitTask``: linear-decay schedule)."""
+    class_path = model.get("class_path") if model is not None and "class_path" in model else None
+    if not isinstance(class_path, str):
+        return False
+    try:
+        cls = import_class(class_path)
+    except Exception:  # not importable here: jsonargparse reports it
+        return False
+    return isinstance(cls, type) and issubclass(cls, LitTask)
+
+
+def attention_arguments(class_path: str | None) -> list[str]:
+    """The model's options typed ``AttentionSpec`` (its attention specs): a task's own and
+    its model classes' (``LitTask.option_hints``), or any other class's constructor's."""
+    if not class_path:
+        return []
+    try:
+        cls = import_class(class_path)
+        is_lit_task = isinstance(cls, type) and issubclass(cls, LitTask)
+        hints = cls.option_hints() if is_lit_task else typing.get_type_hints(cls.__init__)
+    except Exception:  # not importable here: jsonargparse reports it
+        return []
+    return spec_arguments(hints)
+
+
+def parse_attention_arguments(keys: list[str], init) -> dict[str, Any]:
+    """Each attention argument ``keys`` of the model's ``init`` parsed once, into the value
+    the checks and the trial build take (``attention.ParsedSpec``), or the ``ValueError``
+    that ``check_attention`` raises once the checks before it have passed; anything else
+    is kept as given, for ``check_attention_spec`` to refuse. A bare name becomes its
+    mapping in ``init``: config.yaml records the mapping."""
+    specs: dict[str, Any] = {}
+    for key in keys:
+        spec = init.get(key)
+        spec = spec.as_dict() if hasattr(spec, "as_dict") else spec
+        if not isinstance(spec, (dict, str)):
+            specs[key] = spec
+            continue
+        try:
+            specs[key] = parse_spec(spec)
+        except ValueError as err:
+            specs[key] = err
+            continue
+        if isinstance(spec, str):
+            init[key] = specs[key].as_dict()
+    return specs
+
+
+# A model's role-specific attention arguments; ``attention`` fills every role it lacks.
+ROLE_ARGUMENTS = {
+    "encoder_attention": "encoder",
+    "decoder_attention": "decoder",
+    "cross_attention": "cross",
+}
+
+
+def attention_roles(key: str, keys: list[str], init) -> tuple[str, ...]:
+    """Where the model builds the attention argument ``key``: its own role, or (for a
+    shared ``attention``) the encoder's and each role whose own argument is not set."""
+    if key in ROLE_ARGUMENTS:
+        return (ROLE_ARGUMENTS[key],)
+    roles = [r for k, r in ROLE_ARGUMENTS.items() if k in keys and not init.get(k)]
+    return tuple(roles) if roles else ("encoder",)
+
+
+def check_command(cfg, *, fit: bool, rank_zero: bool, linked: tuple[str, ...]) -> dict[str, Any]:
+    """Names, paths, trainer values and sizes, checked before anything is built; returns
+    the model's attention specs parsed (``parse_attention_arguments``). ``rank_zero``: this
+    process prints the warnings; ``linked``: the sizes the CLI links from data to model."""
+    if cfg.get("experiment") is not None:
+        check_experiment(cfg.get("experiment"))
+    check_folder(cfg.get("runs_dir") or "runs", "--runs_dir", write=True)
+    data = cfg.get("data")
+    data_init = data.get("init_args") if data is not None and "init_args" in data else None
+    if data_init is not None and isinstance(data_init.get("data_dir"), str):
+        check_folder(data_init.get("data_dir"), "--data.data_dir", write=False)
+    for warning in check_trainer_values(cfg.get("trainer") or {}):
+        if rank_zero:
+            print(f"macformer_lit: warning: {warning}", file=sys.stderr, flush=True)
+    model = cfg.get("model")
+    # Launch and environment (here and loggers.py): each one line, before any build.
+    check_launch(cfg.get("trainer") or {})
+    check_seeds(cfg)
+    if fit:
+        check_schedule(cfg.get("trainer") or {}, linear_decay=is_task(model))
+    logger = (cfg.get("trainer") or {}).get("logger")
+    if (logger is None or logger is True) and cfg.get("wandb_mode") != "disabled":
+        check_wandb_mode(cfg.get("wandb_mode"))
+    try:  # a model and data of different tasks (check_task_data)
+        classes = (import_class(model.get("class_path")), import_class(data.get("class_path")))
+    except Exception:  # not importable here: jsonargparse reports it
+        classes = None
+    if classes is not None:
+        check_task_data(*classes, linked)
+    init = model.get("init_args") if model is not None and "init_args" in model else None
+    specs: dict[str, Any] = {}
+    if init is None:
+        return specs
+    keys = attention_arguments(model.get("class_path"))
+    specs = parse_attention_arguments(keys, init)
+    data_max = data_init.get("max_len") if data_init is not None else None
+    max_len = data_max if data_max is not None else init.get("max_len")
+    source = "--data.max_len" if data_max is not None else "--model.init_args.max_len"
+    check_model_size(max_len, init.get("d_model"), source=source)
+    d_model, heads = init.get("d_model"), init.get("num_heads")
+    for key in keys:
+        spec = specs.get(key)
+        if not (isinstance(d_model, int) and isinstance(heads, int) and heads > 0):
+            break
+        # Before the trial build of check_attention, which allocates the draw.
+        check_feature_memory(
+            spec if isinstance(spec, ParsedSpec) else None,
+            where=f"model.init_args.{key}",
+            batch_size=data_init.get("batch_size") if data_init is not None else None,
+            max_len=max_len,
+            num_heads=heads,
+            head_dim=max(d_model // heads, 1),
+            num_layers=init.get("num_layers", init.get("num_encoder_layers")),
+            precision=(cfg.get("trainer") or {}).get("precision"),
+        )
+    return specs
+
+
+def check_attention(cfg, specs: dict[str, Any]) -> None:
+    """Every attention spec of the model (its arguments typed ``AttentionSpec``, parsed
+    by ``check_command`` into ``specs``), checked by a trial build (attention/spec.py)."""
+    model = cfg.get("model")
+    init = model.get("init_args") if model is not None and "init_args" in model else None
+    if init is None or "d_model" not in init or "num_heads" not in init:
+        return  # not one of our models: its own constructor checks
+    d_model, num_heads = init.get("d_model"), init.get("num_heads")
+    if not (isinstance(d_model, int) and isinstance(num_heads, int)) or num_heads < 1:
+        return
+    if d_model % num_heads:
+        raise ValueError(
+            f"model.init_args.d_model={d_model} is not divisible by num_heads={num_heads}"
+        )
+    keys = attention_arguments(model.get("class_path"))
+    layers = init.get("num_layers", init.get("num_encoder_layers"))
+    for key in keys:
+        spec = specs.get(key)
+        if isinstance(spec, ValueError):
+            raise ValueError(f"model.init_args.{key}: {spec}")
+        check_attention_spec(
+            spec,
+            head_dim=d_model // num_heads,
+            num_heads=num_heads,
+            where=f"model.init_args.{key}",
+            roles=attention_roles(key, keys, init),
+            num_layers=layers if isinstance(layers, int) else None,
+        )
