@@ -565,11 +565,11 @@ class AskedCheckpoint:
             return None
         return {"path": str(self.path), "step": self.contents.get("global_step")}
 
-    def check_model(self, ckpt_path: str, model: Any, subcommand: str) -> None:
+    def check_model(self, cfg, model: Any, subcommand: str) -> None:
         """The checkpoint against the model as built, data-linked sizes included."""
         if self.contents is None or not hasattr(model, "hparams"):
             return
-        check_fits(Path(ckpt_path), self.contents, dict(model.hparams), subcommand=subcommand)
+        check_fits(Path(cfg.ckpt_path), self.contents, dict(model.hparams), subcommand=subcommand)
 
 
 def open_ckpt_path(

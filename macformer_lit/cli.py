@@ -286,7 +286,7 @@ class MacformerCLI(LightningCLI):
         return yaml.safe_load(text) or {}
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
-        self.asked.check_model(self._cfg(self.config).ckpt_path, self.model, self.subcommand)
+        self.asked.check_model(self._cfg(self.config), self.model, self.subcommand)
         kwargs = trainer_arguments(
             self._cfg(self.config_init),
             kwargs,
