@@ -35,6 +35,7 @@ os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 import warnings  # noqa: E402
 
 import lightning as L  # noqa: E402
+import yaml  # noqa: E402
 from jsonargparse import DefaultHelpFormatter  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
@@ -195,7 +196,7 @@ class MacformerCLI(LightningCLI):
             },
             parser_class=_Parser,
             save_config_callback=SaveRunConfig,
-            # Only new folders get a config.yaml (a resume in place skips it: instantiate_trainer).
+            # Only new folders get a config.yaml (a resume in place skips it: check_built).
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
             args=argv,
@@ -280,8 +281,6 @@ class MacformerCLI(LightningCLI):
 
     def _plain_config(self, cfg) -> dict:
         """This run's config as config.yaml would hold it, as plain YAML values."""
-        import yaml
-
         text = self._parser(self.subcommand).dump(cfg, skip_none=False, skip_check=True)
         return yaml.safe_load(text) or {}
 
