@@ -281,6 +281,7 @@ class MacformerCLI(LightningCLI):
 
     def _plain_config(self, cfg) -> dict:
         """This run's config as config.yaml would hold it, as plain YAML values."""
+        # LightningCLI's private _parser: it has no public accessor for a subcommand's parser.
         text = self._parser(self.subcommand).dump(cfg, skip_none=False, skip_check=True)
         return yaml.safe_load(text) or {}
 
