@@ -35,7 +35,7 @@ def logged_losses(metrics: Path, below: int) -> dict[int, float]:
     "run",
     [
         "listops_short_cpu",
-        "synthetic_ppsbn/method=softmax,seed=0/version_0",
+        pytest.param("synthetic_ppsbn/method=softmax,seed=0/version_0", marks=pytest.mark.slow),
         # The paper setting: generating its 96,000 trees and 100 steps of ~1,000 tokens took
         # 2 min 24 s on an idle 2-core CPU (c90a1df).
         pytest.param(

@@ -190,6 +190,7 @@ def clip(sentence: str) -> str:
     return " ".join(w for i, w in enumerate(sentence.split()) if i % 6 != 5)
 
 
+@pytest.mark.slow
 def test_ddp_translation_test_metrics_equal_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv("EVAL_PROBE_DIR", str(tmp_path / "probe"))
     base = [*TRANSLATION, "--model.class_path", "test_ddp_eval.ClippedTranslator"]

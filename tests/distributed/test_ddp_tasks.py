@@ -70,7 +70,7 @@ def _fixtures(task: str, data: Path) -> list[str]:
     [
         pytest.param("text", marks=pytest.mark.slow),
         pytest.param("retrieval", marks=pytest.mark.slow),
-        "image",
+        pytest.param("image", marks=pytest.mark.slow),
         pytest.param("pathfinder", marks=pytest.mark.slow),
         pytest.param("multi30k", marks=pytest.mark.slow),
     ],

@@ -176,6 +176,7 @@ def runs(tmp_path_factory):
     return tmp, common
 
 
+@pytest.mark.slow
 def test_fsdp_shards_the_parameters(runs):
     tmp, _ = runs
     ranks = [load(tmp / f"probe_fsdp/rank{r}.pt")["params"] for r in (0, 1)]
@@ -321,6 +322,7 @@ def test_fsdp_rmfa_ppsbn_features_and_statistics_identical_on_both_ranks(runs, m
         assert torch.equal(weights[prefix + "running_var"], var), layer
 
 
+@pytest.mark.slow
 def test_fsdp_uneven_evaluation_batches_stop_with_a_message(runs):
     tmp, common = runs
     # Batches of one (the loaders can only even out batches from 2 on): one step, no

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from ddp_probe import probe_env
 
 ARGS = [
@@ -88,6 +89,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_slurm_two_nodes_share_rank_zeros_run_folder(tmp_path):
     args, env = _setup(tmp_path)
     cmd = [sys.executable, "-m", "macformer_lit", *args]
