@@ -89,6 +89,7 @@ def test_first_steps_of_a_committed_run_replay(tmp_path, run):
 SWEEPS = {
     "synthetic_ppsbn": "configs/sweeps/synthetic_ppsbn.yaml",
     "lra_listops_mechanism_screen": "configs/sweeps/lra_listops_mechanism_screen.yaml",
+    "synthetic_ppsbn_temperature": "configs/sweeps/synthetic_ppsbn_temperature.yaml",
 }
 
 
