@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_run import tiny_listops
 
 from macformer_lit.cli import SUBCOMMANDS, config_stem, main, resume_command
 from macformer_lit.preflight import short_parse_error
@@ -26,36 +27,9 @@ QUIET = ["--wandb_mode", "disabled", "--trainer.enable_progress_bar", "false"]
 
 
 def tiny(root: Path, *extra: str, quiet: bool = True) -> list[str]:
-    return [
-        "--config",
-        "lra_listops.yaml",
-        "--data.data_dir",
-        str(root / "data"),
-        "--data.train_size",
-        "16",
-        "--data.val_size",
-        "8",
-        "--data.test_size",
-        "8",
-        "--data.batch_size",
-        "4",
-        "--data.generate_min_length",
-        "50",
-        "--data.generate_max_length",
-        "300",
-        "--model.init_args.d_model",
-        "16",
-        "--model.init_args.num_layers",
-        "1",
-        "--runs_dir",
-        str(root / "runs"),
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.devices",
-        "1",
-        *(QUIET if quiet else ["--trainer.enable_progress_bar", "false"]),
-        *extra,
-    ]
+    lengths = ["--data.generate_min_length", "50", "--data.generate_max_length", "300"]
+    rest = [*(QUIET if quiet else ["--trainer.enable_progress_bar", "false"]), *extra]
+    return tiny_listops(root / "data", root / "runs", *lengths, *rest, small_model=True)
 
 
 def refused(capsys, argv: list[str], root: Path) -> str:

@@ -12,6 +12,7 @@ import lightning
 import pytest
 import torch
 import yaml
+from tiny_run import tiny_listops
 
 from macformer_lit import provenance
 from macformer_lit.cli import main
@@ -21,32 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny(root: Path, subcommand: str, *extra: str) -> list[str]:
-    return [
-        subcommand,
-        "--config",
-        "lra_listops.yaml",
-        "--data.data_dir",
-        str(root / "data"),
-        "--data.train_size",
-        "16",
-        "--data.val_size",
-        "8",
-        "--data.test_size",
-        "8",
-        "--data.batch_size",
-        "4",
-        "--runs_dir",
-        str(root / "runs"),
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.devices",
-        "1",
-        "--wandb_mode",
-        "disabled",
-        "--trainer.enable_progress_bar",
-        "false",
-        *extra,
-    ]
+    quiet = ["--wandb_mode", "disabled", "--trainer.enable_progress_bar", "false"]
+    return [subcommand, *tiny_listops(root / "data", root / "runs", *quiet, *extra)]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_run import tiny_listops
 
 from macformer_lit import provenance
 from macformer_lit.checkpoints import resume_changes
@@ -18,35 +19,8 @@ QUIET = ["--wandb_mode", "disabled", "--trainer.enable_progress_bar", "false"]
 
 
 def tiny(root: Path, *extra: str) -> list[str]:
-    return [
-        "fit",
-        "--config",
-        "lra_listops.yaml",
-        "--data.data_dir",
-        str(root.parent / "data"),
-        "--data.train_size",
-        "16",
-        "--data.val_size",
-        "8",
-        "--data.test_size",
-        "8",
-        "--data.batch_size",
-        "4",
-        "--runs_dir",
-        str(root / "runs"),
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.devices",
-        "1",
-        "--trainer.val_check_interval",
-        "4",
-        "--experiment",
-        "a",
-        "--test_after_fit",
-        "false",
-        *QUIET,
-        *extra,
-    ]
+    own = ["--trainer.val_check_interval", "4", "--experiment", "a", "--test_after_fit", "false"]
+    return ["fit", *tiny_listops(root.parent / "data", root / "runs", *own, *QUIET, *extra)]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_run import tiny_listops
 
 from macformer_lit import cli, locks, sweep
 from macformer_lit.cli import main
@@ -23,39 +24,11 @@ HOLD = (
 
 
 def tiny(root: Path, *extra: str) -> list[str]:
+    own = ["--experiment", "a", "--trainer.val_check_interval", "2"]
+    quiet = ["--wandb_mode", "disabled", "--trainer.enable_progress_bar", "false"]
     return [
         "fit",
-        "--config",
-        "lra_listops.yaml",
-        "--data.data_dir",
-        str(root / "data"),
-        "--data.train_size",
-        "16",
-        "--data.val_size",
-        "8",
-        "--data.test_size",
-        "8",
-        "--data.batch_size",
-        "4",
-        "--model.init_args.d_model",
-        "16",
-        "--model.init_args.num_layers",
-        "1",
-        "--runs_dir",
-        str(root / "runs"),
-        "--experiment",
-        "a",
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.devices",
-        "1",
-        "--trainer.val_check_interval",
-        "2",
-        "--wandb_mode",
-        "disabled",
-        "--trainer.enable_progress_bar",
-        "false",
-        *extra,
+        *tiny_listops(root / "data", root / "runs", *own, *quiet, *extra, small_model=True),
     ]
 
 
