@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_run import tiny_listops
 
 from macformer_lit.checkpoints import conflicts, full_attention_spec
 from macformer_lit.cli import main
@@ -18,30 +19,7 @@ QUIET = ["--wandb_mode", "disabled", "--trainer.enable_progress_bar", "false"]
 
 
 def tiny(root: Path, *extra: str) -> list[str]:
-    return [
-        "--config",
-        "lra_listops.yaml",
-        "--data.data_dir",
-        str(root / "data"),
-        "--data.train_size",
-        "16",
-        "--data.val_size",
-        "8",
-        "--data.test_size",
-        "8",
-        "--data.batch_size",
-        "4",
-        "--runs_dir",
-        str(root / "runs"),
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.devices",
-        "1",
-        "--experiment",
-        "a",
-        *QUIET,
-        *extra,
-    ]
+    return tiny_listops(root / "data", root / "runs", "--experiment", "a", *QUIET, *extra)
 
 
 @pytest.fixture(scope="module")

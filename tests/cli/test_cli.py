@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_run import tiny_listops
 
 from macformer_lit.attention import AttentionBackend, Kernel, build_attention
 from macformer_lit.attention.spec import constructor_chain
@@ -30,27 +31,7 @@ ATTENTION_CONFIGS = sorted(p.name for p in (CONFIG_DIR / "attention").glob("*.ya
 
 
 def tiny_listops_args(tmp_path, *extra):
-    return [
-        "--config",
-        "lra_listops.yaml",
-        "--data.data_dir",
-        str(tmp_path / "data"),
-        "--data.train_size",
-        "16",
-        "--data.val_size",
-        "8",
-        "--data.test_size",
-        "8",
-        "--data.batch_size",
-        "4",
-        "--runs_dir",
-        str(tmp_path / "runs"),
-        "--trainer.accelerator",
-        "cpu",
-        "--trainer.devices",
-        "1",
-        *extra,
-    ]
+    return tiny_listops(tmp_path / "data", tmp_path / "runs", *extra)
 
 
 def test_bare_config_name_resolves_to_shipped_folder(tmp_path, monkeypatch):
