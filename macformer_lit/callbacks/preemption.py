@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import csv
 import functools
 import os
 import signal
@@ -44,6 +43,7 @@ from torchmetrics.utilities.data import (
 )
 
 from macformer_lit import interrupts
+from macformer_lit.metrics_file import MetricsFileError, read_metrics_rows
 
 _MID_EVALUATION = _EvalRestartStage.RESTARTED_MID_EVALUATION
 
@@ -428,10 +428,10 @@ class EpochAccumulatorsCheckpoint(L.Callback):
         if self._rows is None:
             return False
         for lg in MetricsRowsCheckpoint._csv_loggers(trainer):
-            if not lg.metrics_path.is_file():
-                continue
-            with open(lg.metrics_path, newline="") as f:
-                rows = list(csv.DictReader(f))[self._rows :]
+            try:
+                rows = read_metrics_rows(lg.metrics_path)[self._rows :]
+            except (MetricsFileError, OSError):
+                continue  # none, or not whole: nothing there to trust
             for row in rows:
                 try:
                     at = int(float(row.get("step") or "nan"))
