@@ -11,8 +11,14 @@
 #       "lra_listops_table2.yaml --method=softmax --seed=2"
 #   SMOKE=1 bash benchmarks/gpu_paper_runs.sh "lra_listops_table2.yaml --method=softmax --seed=1"
 #
-# LIMIT (seconds a run, default 420) bounds each point; a point that runs out of it leaves
-# only its log. SMOKE=1 runs 20 steps on 640 trees into a scratch data folder (the plumbing).
+# LIMIT (seconds a run, default 420) bounds each point. A point that runs out of it saves
+# last.ckpt (SIGTERM) and comes back as $OUT/resume_<i>.tgz (its folder under RUNS, default
+# runs/lent, checkpoints included, W&B excluded). To go on in the next lease, unpack them into
+# the checkout (mkdir -p runs/lent && for f in resume_*.tgz; do tar xzf $f -C runs/lent; done),
+# carry runs/lent and give the same command: each unfinished point resumes where it stopped
+# (the sweep's --ckpt_path last), finished ones are skipped.
+# SMOKE=1 runs 20 steps on 640 trees into a scratch data folder (the plumbing; DATA_DIR keeps
+# one folder across calls).
 # PARALLEL=1 generates the data once, then runs all points at the same time on the one GPU
 # (each is launch-bound, so they share it well; CUDA MPS is started where the machine allows,
 # to let their kernels overlap): a short lease then fits several points, but their
@@ -28,6 +34,7 @@ LIMIT=${LIMIT:-420}
 PARALLEL=${PARALLEL:-0}
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d)
+RUNS=${RUNS:-$PWD/runs/lent}
 PACK=paper_runs.tgz
 source "$(dirname "$0")/_lent_machine.sh"
 
@@ -36,25 +43,42 @@ source "$(dirname "$0")/_lent_machine.sh"
 FIT=()
 DATA=(--data_dir data/lra)
 if [ "$SMOKE" = 1 ]; then
-    DATA=(--data_dir "$(mktemp -d)" --train_size 640 --val_size 64 --test_size 64)
+    DATA=(--data_dir "${DATA_DIR:-$(mktemp -d)}" --train_size 640 --val_size 64 --test_size 64)
     FIT=(--trainer.max_steps 20 --trainer.val_check_interval 10 "${DATA[@]/#--/--data.}")
 fi
-collect() {  # each finished run's config.yaml and metrics.csv, at their results/ path; its
-    # checkpoints go (a running point's stay: it tests its best one at the end)
-    local run dest
-    for run in "$WORK/runs"/*/*/version_*; do
+collect() {  # each finished run's config.yaml and metrics.csv, at their results/ path, and its
+    # point's log; its checkpoints go (a running point's stay: it tests its best one at the end)
+    local run dest point
+    for run in "$RUNS"/*/*/version_*; do
         [ -f "$run/metrics.csv" ] && grep -q "test/acc" "$run/metrics.csv" || continue
-        dest="$WORK/results/lra_listops/${run#"$WORK/runs/"}"
+        dest="$WORK/results/lra_listops/${run#"$RUNS/"}"
         mkdir -p "$dest" && cp "$run/config.yaml" "$run/metrics.csv" "$dest/"
+        point=$(dirname "$run")
+        mkdir -p "$WORK/runs/${point#"$RUNS/"}"
+        cp "$point"/sweep_* "$WORK/runs/${point#"$RUNS/"}/" 2>/dev/null
         find "$run" -name '*.ckpt' -delete
         rm -rf "$run/wandb"
+    done
+}
+keep_unfinished() {  # every point under RUNS without a tested run comes back whole
+    # (checkpoints too) as $OUT/resume_<n>.tgz, to go on in the next lease
+    local point n=0
+    rm -f "$OUT"/resume_*.tgz
+    for point in "$RUNS"/*/*/; do
+        point=${point%/}
+        compgen -G "$point/version_*/checkpoints/*.ckpt" >/dev/null || continue
+        grep -qs "test/acc" "$point"/version_*/metrics.csv && continue
+        n=$((n + 1))
+        tar czf "$OUT/resume_$n.tgz" -C "$RUNS" --exclude=wandb --exclude=.lock \
+            "${point#"$RUNS/"}" &&
+            echo "=== unfinished: ${point#"$RUNS/"} in $OUT/resume_$n.tgz ($(du -h "$OUT/resume_$n.tgz" | cut -f1))"
     done
 }
 run_point() {  # run_point I "SWEEP --axis=label ...": one sweep point under LIMIT
     local words
     read -r -a words <<<"$2"
     step "run$1" "$LIMIT" $PY -m macformer_lit sweep "configs/sweeps/${words[0]}" "${words[@]:1}" \
-        --point --runs_dir "$WORK/runs" --wandb_mode disabled ${FIT[@]+-- "${FIT[@]}"}
+        --point --runs_dir "$RUNS" --wandb_mode disabled ${FIT[@]+-- "${FIT[@]}"}
 }
 step_machine
 if [ "$PARALLEL" = 1 ]; then
@@ -77,6 +101,7 @@ print(\"MPS client ok:\", torch.ones(1, device=\"cuda\").sum().item())'" || {
         { run_point "$i" "$point"; collect; pack; } &
     done
     wait
+    keep_unfinished
     # The MPS daemon would outlive this script (seen on a lent H100: still running in the next
     # call on the warm machine), and every later CUDA program there would go through it.
     [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
@@ -86,9 +111,9 @@ else
         i=$((i + 1))
         run_point "$i" "$point"
         collect
+        keep_unfinished
         pack
     done
 fi
-find "$WORK/runs" -name '*.ckpt' -delete 2>/dev/null  # those of points that ran out of time
 pack
 echo "=== done $(date +%T); outputs in $OUT/$PACK"
