@@ -409,6 +409,13 @@ def resume_changes(
     as ``{key, old, new}``. Keys one side lacks (an option added or removed since) and the
     keys in ``skip`` (compared elsewhere) are not compared."""
     old, new = flatten_config(saved), flatten_config(run)
+    # An entry of the callbacks group false on one side and its settings on the other: once
+    # flattened they share no key, so compare them whole.
+    saved_group, run_group = _callbacks_group(saved), _callbacks_group(run)
+    for name in set(saved_group) & set(run_group):
+        a, b = saved_group[name], run_group[name]
+        if isinstance(a, Mapping) != isinstance(b, Mapping):
+            old[f"callbacks.{name}"], new[f"callbacks.{name}"] = _plain(a), _plain(b)
     refused, allowed = [], []
     for key in sorted(set(old) & set(new)):
         if _under(key, RESUME_NOT_COMPARED) or key in skip or old[key] == new[key]:
@@ -423,6 +430,11 @@ def resume_changes(
         else:
             refused.append(f"{key}: checkpoint has {_show(old[key])}, this run {_show(new[key])}")
     return refused, [_yaml_ready(c) for c in allowed]
+
+
+def _callbacks_group(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    group = config.get("callbacks")
+    return group if isinstance(group, Mapping) else {}
 
 
 def _yaml_ready(change: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from macformer_lit.callbacks.preemption import (
     MetricsRowsCheckpoint,
     SaveOnSigterm,
 )
+from macformer_lit.checkpoints import resume_changes
 from macformer_lit.cli import MacformerCLI, main
 
 ALL = (
@@ -316,6 +317,34 @@ def test_a_saved_config_read_back_has_the_group_as_a_new_run_records_it():
         yaml.safe_load(OLD_RUN.read_text()), [{"changes": [change]}]
     )
     assert later["callbacks"]["best_checkpoint"] == {"save_top_k": 4}
+
+
+def test_a_sweep_sees_an_older_run_as_unchanged_and_a_switched_entry_as_changed():
+    """A run recorded before the group and before nan_guard had min_loss_scale: the same
+    settings now are no change, so the sweep does not run its point again."""
+    from macformer_lit.sweep import changed_settings
+
+    older = OLD_RUN.parents[3] / "synthetic_ppsbn/method=softmax,seed=0/version_0/config.yaml"
+    recorded = provenance.effective_config(yaml.safe_load(older.read_text()), [])
+    assert "min_loss_scale" not in recorded["callbacks"]["nan_guard"]
+    now = {k: v for k, v in recorded.items() if k != "callbacks"}
+    assert changed_settings(recorded, {**now, "callbacks": GROUP}) == []
+    off = {**GROUP, "redraw": False}
+    assert changed_settings(recorded, {**now, "callbacks": off}) == [
+        "callbacks.redraw: true -> false"
+    ]
+
+
+def test_a_resume_that_switches_an_entry_is_compared_whole():
+    on = {"callbacks": {"redraw": GROUP["redraw"], "telemetry": GROUP["telemetry"]}}
+    off = {"callbacks": {"redraw": False, "telemetry": False}}
+    refused, allowed = resume_changes(on, off)
+    # Switching the redraws off changes what is trained; the telemetry only observes.
+    assert refused == [
+        "callbacks.redraw: checkpoint has {policy: never, every_n_steps: 1000, seed: 0}, "
+        "this run false"
+    ]
+    assert [c["key"] for c in allowed] == ["callbacks.telemetry"]
 
 
 @pytest.mark.parametrize(
