@@ -198,21 +198,16 @@ def _flow(value: Any) -> str:
 
 
 def describe(moves: list[tuple[str, str]]) -> str:
-    """The moves as one line, each once, ``run_callbacks``' flags together."""
-    seen: list[tuple[str, str]] = list(dict.fromkeys(moves))
-    flags = [o for o, n in seen if o.split(".")[-1] in FLAGS and o.lstrip("-").startswith(OLD)]
-    parts = []
-    for old, new in seen:
-        if old in flags:
-            if old == flags[0]:
-                names = ",".join(f.split(".")[-1] for f in flags)
-                dashes = "--" if old.startswith("--") else ""
-                many = len(flags) > 1
-                parts.append(
-                    f"{dashes}{OLD}.{{{names}}} → {dashes}{NEW}.{{{names}}}"
-                    if many
-                    else f"{old} → {new}"
-                )
-            continue
-        parts.append(f"{old} → {new}")
+    """The moves as one line, each once, ``run_callbacks``' flags together at the end."""
+    parts: list[str] = []
+    flags: dict[str, list[str]] = {}
+    for old, new in dict.fromkeys(moves):
+        dashes, _, name = old.rpartition(f"{OLD}.")
+        if name in FLAGS and dashes in ("", "--"):
+            flags.setdefault(dashes, []).append(name)
+        else:
+            parts.append(f"{old} → {new}")
+    for dashes, names in flags.items():
+        listed = names[0] if len(names) == 1 else "{" + ",".join(names) + "}"
+        parts.append(f"{dashes}{OLD}.{listed} → {dashes}{NEW}.{listed}")
     return ", ".join(parts)

@@ -95,7 +95,10 @@ def test_a_wrong_type_or_choice_is_one_line_with_the_valid_values(
             ["--callbacks.nan_guard.action", "sometimes"],
             "callbacks.nan_guard.action: expected one of 'stop', 'skip'; got 'sometimes'",
         ),
-        (["--callbacks.unknown", "true"], "unrecognized arguments: --callbacks.unknown true"),
+        (
+            ["--callbacks.telemetry", "false", "--callbacks.unknown", "true"],
+            "unrecognized arguments: --callbacks.unknown true",
+        ),
         (
             ["--callbacks.telemetry", "maybe"],
             "callbacks.telemetry: expected a mapping or a class path or true or false",
@@ -117,7 +120,10 @@ def test_a_wrong_type_or_choice_is_one_line_with_the_valid_values(
             "--callbacks.memory: ReleaseHostMemory every_n_steps must be an integer >= 0",
         ),
         # Old options: a key that cannot move, and a bad value at its new place.
-        (["--run_callbacks.foo", "1"], "unrecognized arguments: --run_callbacks.foo 1"),
+        (
+            ["--callbacks.telemetry", "false", "--run_callbacks.foo", "1"],
+            "unrecognized arguments: --run_callbacks.foo 1",
+        ),
         (["--nan_guard.foo", "1"], "callbacks.nan_guard: Option 'foo' is not accepted"),
         (
             ["--run_callbacks.save_top_k", "-3"],
@@ -137,7 +143,10 @@ def test_a_bad_callbacks_entry_is_one_line_before_anything_is_built(
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("callbacks:\n  unknown: true\n", "unknown"),
+        (
+            "callbacks:\n  telemetry: false\n  unknown: true\n",
+            "does not accept option 'callbacks.unknown'",
+        ),
         ("callbacks:\n  redraw:\n    policy: sometimes\n", "callbacks.redraw.policy: expected"),
         ("run_callbacks:\n  lr_logging_interval: hourly\n", "callbacks.lr_monitor.logging_in"),
     ],
