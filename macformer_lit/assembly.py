@@ -1,11 +1,11 @@
 """Trainer assembly: what a run's Trainer is built with, besides its config.
 
 In the run folder: ``default_root_dir``, a CSV logger and W&B (unless ``trainer.logger``
-names others), the standard callbacks (``RunCallbacks``) after the user's, ``ShareRunDir``
-first and ``RecordRun`` last, ``PredictionWriter`` for ``predict``, and ``SafeCheckpointIO``
-for every load. Lightning's own refusals while building become one line
-(``settings_errors``), and a resumed fit must train in its checkpoint's precision
-(``check_built``).
+names others), the user's callbacks with ``ShareRunDir`` and the standard ones (the
+``callbacks`` group, ``StandardCallbacks``), ``RecordRun`` among them (after
+``PredictionWriter`` for ``predict``), and ``SafeCheckpointIO`` for every load. Lightning's
+own refusals while building become one line (``settings_errors``), and a resumed fit must
+train in its checkpoint's precision (``check_built``).
 """
 
 from __future__ import annotations
@@ -71,14 +71,6 @@ def trainer_arguments(
     callbacks = trainer_cfg.get("callbacks") or []
     callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
     callbacks.insert(0, ShareRunDir(folders))
-    callbacks = cfg.get("run_callbacks").add_to(
-        callbacks,
-        run_dir=run_dir,
-        monitor=getattr(model, "checkpoint_monitor", (None, "min")),
-        checkpointing=trainer_cfg.get("enable_checkpointing", True) is not False,
-        logging=bool(kwargs.get("logger", logger)),
-        resume_command=resume_command(argv),
-    )
     # Every load (resume, test after fit, validate/test/predict) goes through the
     # same safe path, checkpointing on or off.
     plugins = trainer_cfg.get("plugins") or []
@@ -86,9 +78,8 @@ def trainer_arguments(
     if not any(isinstance(p, CheckpointIO) for p in plugins):
         safe = cfg.get("weights_only") is not False
         kwargs["plugins"] = [*plugins, SafeCheckpointIO(weights_only=safe)]
-    if subcommand == "predict":
-        callbacks.append(PredictionWriter())
-    callbacks.append(
+    own = [PredictionWriter()] if subcommand == "predict" else []
+    own.append(
         RecordRun(
             folders,
             subcommand=subcommand,
@@ -98,6 +89,15 @@ def trainer_arguments(
             changes=asked.changes,
             run_config=asked.run_config,
         )
+    )
+    callbacks = cfg.get("callbacks").add_to(
+        callbacks,
+        then=own,
+        run_dir=run_dir,
+        monitor=getattr(model, "checkpoint_monitor", (None, "min")),
+        checkpointing=trainer_cfg.get("enable_checkpointing", True) is not False,
+        logging=bool(kwargs.get("logger", logger)),
+        resume_command=resume_command(argv),
     )
     kwargs["callbacks"] = callbacks
     return kwargs

@@ -37,7 +37,7 @@ import torch
 import yaml
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
-from macformer_lit import provenance, yamlio
+from macformer_lit import moved_keys, provenance, yamlio
 from macformer_lit.attention.spec import full_spec
 from macformer_lit.callbacks.preemption import AtomicCheckpointIO
 from macformer_lit.runs import versions
@@ -342,18 +342,17 @@ RESUME_MAY_CHANGE = (
     "trainer.enable_model_summary",
     "trainer.enable_checkpointing",
     "trainer.profiler",
-    "telemetry",
-    "memory",
     "test_after_fit",
     "weights_only",
     "wandb_mode",
     "wandb_project",
-    # The standard callbacks but rng_states: restoring the RNG states changes the draws.
+    # The standard callbacks that only observe or keep the run; not nan_guard (skip changes
+    # the steps), redraw, nor rng_states (restoring the RNG states changes the draws).
     *(
-        f"run_callbacks.{k}"
+        f"callbacks.{k}"
         for k in (
-            *("best_checkpoint", "save_top_k", "last_checkpoint", "save_on_sigterm"),
-            *("metrics_rows", "lr_monitor", "lr_logging_interval", "throughput"),
+            *("memory", "telemetry", "best_checkpoint", "last_checkpoint", "save_on_sigterm"),
+            *("metrics_rows", "lr_monitor", "throughput"),
         )
     ),
 )
@@ -410,6 +409,13 @@ def resume_changes(
     as ``{key, old, new}``. Keys one side lacks (an option added or removed since) and the
     keys in ``skip`` (compared elsewhere) are not compared."""
     old, new = flatten_config(saved), flatten_config(run)
+    # An entry of the callbacks group false on one side and its settings on the other: once
+    # flattened they share no key, so compare them whole.
+    saved_group, run_group = _callbacks_group(saved), _callbacks_group(run)
+    for name in set(saved_group) & set(run_group):
+        a, b = saved_group[name], run_group[name]
+        if isinstance(a, Mapping) != isinstance(b, Mapping):
+            old[f"callbacks.{name}"], new[f"callbacks.{name}"] = _plain(a), _plain(b)
     refused, allowed = [], []
     for key in sorted(set(old) & set(new)):
         if _under(key, RESUME_NOT_COMPARED) or key in skip or old[key] == new[key]:
@@ -424,6 +430,11 @@ def resume_changes(
         else:
             refused.append(f"{key}: checkpoint has {_show(old[key])}, this run {_show(new[key])}")
     return refused, [_yaml_ready(c) for c in allowed]
+
+
+def _callbacks_group(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    group = config.get("callbacks")
+    return group if isinstance(group, Mapping) else {}
 
 
 def _yaml_ready(change: dict[str, Any]) -> dict[str, Any]:
@@ -627,7 +638,8 @@ def saved_run_config(ckpt: Path, checkpoint: Mapping[str, Any]) -> dict | None:
     ``config.yaml`` with the changes its resumes recorded; None when neither exists."""
     recorded = checkpoint.get(provenance.CHECKPOINT_KEY)
     if isinstance(recorded, dict) and isinstance(recorded.get("config"), dict):
-        return recorded["config"]
+        # One recorded before keys moved holds them at their old place.
+        return moved_keys.migrate_config(recorded["config"])[0]
     folder = ckpt.parent.parent
     try:
         config = yamlio.load_file(folder / "config.yaml")

@@ -39,7 +39,7 @@ import yaml  # noqa: E402
 from jsonargparse import DefaultHelpFormatter  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
-from macformer_lit import errors, interrupts, locks, summary  # noqa: E402
+from macformer_lit import errors, interrupts, locks, moved_keys, summary  # noqa: E402
 from macformer_lit.assembly import (  # noqa: E402
     SaveRunConfig,
     check_built,
@@ -47,13 +47,7 @@ from macformer_lit.assembly import (  # noqa: E402
     trainer_arguments,
 )
 from macformer_lit.attention.spec import describe_backends  # noqa: E402
-from macformer_lit.callbacks import (  # noqa: E402
-    AttentionTelemetry,
-    FeatureRedraw,
-    NaNGuard,
-    ReleaseHostMemory,
-)
-from macformer_lit.callbacks.standard import RunCallbacks  # noqa: E402
+from macformer_lit.callbacks.standard import StandardCallbacks  # noqa: E402
 from macformer_lit.checkpoints import AskedCheckpoint, open_ckpt_path  # noqa: E402
 from macformer_lit.config_lookup import (  # noqa: E402, F401  (names tests and docs use)
     CONFIG_DIR,
@@ -73,6 +67,7 @@ from macformer_lit.preflight import (  # noqa: E402, F401  (parse_attention_argu
     check_command,
     check_task_given,
     install_parser_loaders,
+    moved_in_config_files,
     parse_attention_arguments,
     short_parse_error,
 )
@@ -169,12 +164,16 @@ class MacformerCLI(LightningCLI):
         self.asked = AskedCheckpoint()
         self.original_argv = list(sys.argv[1:] if args is None else args)
         install_parser_loaders(self.original_argv)  # a key given twice in any YAML is refused
+        # Old callback options at their new place (moved_keys.py); config files move theirs
+        # as they are loaded (install_parser_loaders).
         if args is None:
             # Rewrite sys.argv itself: LightningCLI warns when given both args and argv.
             sys.argv[1:], self.config_stems = resolve_config_args(sys.argv[1:])
+            sys.argv[1:], self.moved = moved_keys.migrate_args(sys.argv[1:])
             argv = None
         else:
             argv, self.config_stems = resolve_config_args(list(args))
+            argv, self.moved = moved_keys.migrate_args(argv)
         # An overlay config (attention/, schedule/) alone: one line naming a task config.
         check_task_given(sys.argv[1:] if argv is None else argv, task_configs())
         super().__init__(
@@ -204,15 +203,9 @@ class MacformerCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # Always-on callbacks with their own config groups (``--nan_guard.action skip``,
-        # ``--redraw.policy steps``, ``--telemetry.every_n_steps 50``,
-        # ``--memory.every_n_steps 0``).
-        parser.add_lightning_class_args(NaNGuard, "nan_guard")
-        parser.add_lightning_class_args(ReleaseHostMemory, "memory")
-        parser.add_lightning_class_args(FeatureRedraw, "redraw")
-        parser.add_lightning_class_args(AttentionTelemetry, "telemetry")
-        # The other standard callbacks, each switchable (callbacks/standard.py).
-        parser.add_class_arguments(RunCallbacks, "run_callbacks")
+        # The standard callbacks, one entry each, each its settings or false
+        # (callbacks/standard.py); assembly.trainer_arguments adds them to the Trainer.
+        parser.add_class_arguments(StandardCallbacks, "callbacks")
         for name in LINKED:
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
         parser.add_argument(
@@ -256,12 +249,18 @@ class MacformerCLI(LightningCLI):
         super().parse_arguments(parser, args)
         # Before the seed is set and anything is built: a mistake is the only line printed.
         subcommand = self.config.get("subcommand")
+        cfg = self.config[subcommand] if subcommand else self.config
+        try:
+            StandardCallbacks.settle(cfg.callbacks)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         self.attention_specs = check_command(
-            self.config[subcommand] if subcommand else self.config,
+            cfg,
             fit=subcommand == "fit",
             rank_zero=os.environ.get("LOCAL_RANK", "0") == "0" and launch_rank() == 0,
             linked=LINKED,
         )
+        self.moved += moved_in_config_files()
 
     def before_instantiate_classes(self) -> None:
         cfg = self._cfg(self.config)
@@ -271,10 +270,23 @@ class MacformerCLI(LightningCLI):
             cfg, self.subcommand, exp_dir, plain_config=lambda: self._plain_config(cfg)
         )
         self._check_attention(cfg)
+        # After every check: a mistake stays the only line printed.
+        self._note_moved()
         # Last, once every check has passed: a failed start removes it (main()).
         self.folders.take(exp_dir, self.subcommand, resume=self.asked.resume_dir)
         self.experiment = experiment
         set_mask_generator(cfg.get("dropout_masks") or "fast")
+
+    def _note_moved(self) -> None:
+        """One line on stderr (rank 0) naming the old keys this command used and where
+        they are read now."""
+        if self.moved and os.environ.get("LOCAL_RANK", "0") == "0" and launch_rank() == 0:
+            print(
+                f"macformer_lit: note: old option names read at their new place: "
+                f"{moved_keys.describe(self.moved)} (--print_config shows the new ones)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _check_attention(self, cfg) -> None:
         check_attention(cfg, self.attention_specs)

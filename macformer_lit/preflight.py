@@ -49,6 +49,7 @@ from macformer_lit.attention.spec import (
     spec_arguments,
 )
 from macformer_lit.loggers import check_wandb_mode
+from macformer_lit.moved_keys import migrate_config
 from macformer_lit.tasks.base import LitTask
 
 
@@ -88,6 +89,13 @@ def check_config_file(path: str) -> None:
 
 # The command line being parsed: an inline value's error names its option.
 _ARGV: list[str] = []
+# Old keys the config files of the command being parsed used (moved_keys.py).
+_MOVED: list[tuple[str, str]] = []
+
+
+def moved_in_config_files() -> list[tuple[str, str]]:
+    """The ``(old, new)`` keys the config files of this command moved, for its note."""
+    return list(_MOVED)
 
 
 def _option_of(value: str) -> str | None:
@@ -103,10 +111,13 @@ def install_parser_loaders(argv: list[str] | None = None) -> None:
     """jsonargparse loads every config and inline YAML value with a loader that refuses a
     key given twice (``UsageError`` naming the file, or the value, and the line): its own
     loaders keep the last duplicate, or, for an inline mapping, take the text as a string.
-    An inline value that opens a mapping or list and does not parse is refused too."""
+    An inline value that opens a mapping or list and does not parse is refused too. A
+    ``--config`` file's old callback keys are read at their new place
+    (``moved_keys.migrate_config``; ``moved_in_config_files`` lists them)."""
     from jsonargparse import get_loader, set_loader
 
     _ARGV[:] = list(argv or [])
+    _MOVED.clear()
 
     for mode in ("yaml", "omegaconf"):
         try:
@@ -143,7 +154,11 @@ def _refusing_duplicates(base):
                     "quote the whole value for the shell"
                 ) from None
             # Otherwise not YAML: jsonargparse decides what the text is, as it always did.
-        return base(value)
+        loaded = base(value)
+        if path and isinstance(loaded, dict):  # a --config file: its old keys move
+            loaded, moves = migrate_config(loaded)
+            _MOVED.extend(m for m in moves if m not in _MOVED)
+        return loaded
 
     load.refuses_duplicate_keys = True
     return load
@@ -161,6 +176,9 @@ _NOISE = re.compile(
 
 def _describe_type(text: str) -> str:
     text = text.strip()
+    # jsonargparse's words for a class or dataclass given a plain string.
+    if text.startswith("dot import path string"):
+        return "a mapping or a class path"
     m = re.fullmatch(r"typing\.Literal\[(.*)\]", text)
     if m:
         return f"one of {m.group(1)}"

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from macformer_lit import yamlio
+from macformer_lit import moved_keys, yamlio
 
 RECORD = "provenance.yaml"
 UNKNOWN = "unknown"
@@ -239,11 +239,14 @@ def set_key(config: dict, key: str, value: Any) -> None:
 
 def effective_config(config: dict, entries: list[dict[str, Any]]) -> dict:
     """``config.yaml`` with the changes later resumes recorded, oldest first (a resume never
-    rewrites ``config.yaml``): what the run's last part trained with."""
+    rewrites ``config.yaml``): what the run's last part trained with, its keys where they
+    are now (``moved_keys``: a run recorded before a key moved compares as it should)."""
+    config, _ = moved_keys.migrate_config(config)
     for record in entries:
         for change in record.get("changes") or []:
             if isinstance(change, dict) and isinstance(change.get("key"), str):
-                set_key(config, change["key"], change.get("new"))
+                for key, value in moved_keys.migrate_change(change["key"], change.get("new")):
+                    set_key(config, key, value)
     return config
 
 

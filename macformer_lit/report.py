@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from macformer_lit import provenance, yamlio
+from macformer_lit import moved_keys, provenance, yamlio
 from macformer_lit.metrics_file import MetricsFileError, read_metrics_rows
 from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
 
@@ -85,9 +85,8 @@ BOOKKEEPING = (
     "trainer.default_root_dir",
     "trainer.enable_progress_bar",
     "trainer.enable_model_summary",
-    "telemetry",
-    "memory",
-    "run_callbacks",
+    # The standard callbacks that only observe or keep the run (not nan_guard, redraw).
+    *(f"callbacks.{k}" for k in ("memory", "telemetry", *moved_keys.FLAGS)),
 )
 ATTENTION_PREFIX = "model.init_args.attention"
 # Attention options the row's label already shows.

@@ -302,10 +302,16 @@ def resolve_points(
 
 def option_values(config: dict[str, Any]) -> dict[str, Any]:
     """A run config's options by dotted name, each value whole (an attention spec is one
-    value, so a key added to it is a change)."""
+    value, so a key added to it is a change). An entry of the callbacks group is whether it
+    is on and each of its settings (a setting added since is not a change)."""
     out: dict[str, Any] = {}
     for key, value in config.items():
-        if isinstance(value, dict) and "class_path" in value:
+        if key == "callbacks" and isinstance(value, dict):
+            for name, entry in value.items():
+                out[f"{key}.{name}"] = entry is not False
+                if isinstance(entry, dict):
+                    out.update({f"{key}.{name}.{k}": v for k, v in entry.items()})
+        elif isinstance(value, dict) and "class_path" in value:
             out[f"{key}.class_path"] = value["class_path"]
             for k, v in (value.get("init_args") or {}).items():
                 out[f"{key}.init_args.{k}"] = v

@@ -62,7 +62,7 @@ def fit(root, experiment, seed, *extra):
             "disabled",
             "--seed_everything",
             str(seed),
-            "--telemetry.every_n_steps",
+            "--callbacks.telemetry.every_n_steps",
             "1",
         ]
     )

@@ -6,7 +6,7 @@ from .memory import ReleaseHostMemory
 from .monitor import ThroughputMemoryMonitor
 from .nan_guard import NaNGuard
 from .redraw import FeatureRedraw
-from .standard import RunCallbacks
+from .standard import StandardCallbacks
 from .telemetry import AttentionTelemetry
 
 __all__ = [
@@ -15,6 +15,6 @@ __all__ = [
     "FeatureRedraw",
     "NaNGuard",
     "ReleaseHostMemory",
-    "RunCallbacks",
+    "StandardCallbacks",
     "ThroughputMemoryMonitor",
 ]

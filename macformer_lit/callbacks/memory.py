@@ -66,8 +66,8 @@ class ReleaseHostMemory(L.Callback):
     def __init__(self, every_n_steps: int = 0) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(
-                f"memory.every_n_steps must be an integer >= 0 (0: only after each epoch); "
-                f"got {every_n_steps!r}"
+                "ReleaseHostMemory every_n_steps must be an integer >= 0 (0: only after each "
+                f"epoch); got {every_n_steps!r}"
             )
         self.every_n_steps = every_n_steps
         self._batches = 0

@@ -274,7 +274,7 @@ def test_preflight_allows_any_one_bound():
         ("--seed_everything", str(10**23)),
         ("--data.seed", "-3"),
         ("--data.generate_seed", str(2**33)),
-        ("--redraw.seed", str(2**40)),
+        ("--callbacks.redraw.seed", str(2**40)),
     ],
 )
 def test_an_out_of_range_seed_is_one_line(tmp_path, capsys, option, value):
@@ -286,7 +286,7 @@ def test_an_out_of_range_seed_is_one_line(tmp_path, capsys, option, value):
 
 def test_every_seed_in_range_passes():
     check_seeds({"seed_everything": 0, "data": {"init_args": {"seed": 2**32 - 1}}})
-    check_seeds({"seed_everything": True, "redraw": {"seed": 7}})
+    check_seeds({"seed_everything": True, "callbacks": {"redraw": {"seed": 7}}})
 
 
 # ---- report --out ---------------------------------------------------------------------

@@ -88,6 +88,76 @@ def test_a_wrong_type_or_choice_is_one_line_with_the_valid_values(
     assert "Union" not in line and "NoneType" not in line
 
 
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--callbacks.nan_guard.action", "sometimes"],
+            "callbacks.nan_guard.action: expected one of 'stop', 'skip'; got 'sometimes'",
+        ),
+        (
+            ["--callbacks.telemetry", "false", "--callbacks.unknown", "true"],
+            "unrecognized arguments: --callbacks.unknown true",
+        ),
+        (
+            ["--callbacks.telemetry", "maybe"],
+            "callbacks.telemetry: expected a mapping or a class path or true or false",
+        ),
+        (
+            ["--callbacks.best_checkpoint.save_top_k", "-2"],
+            "--callbacks.best_checkpoint: save_top_k must be >= -1",
+        ),
+        (
+            ["--callbacks.redraw.every_n_steps", "0"],
+            "--callbacks.redraw: every_n_steps must be >= 1; got 0",
+        ),
+        (
+            ["--callbacks.nan_guard.min_loss_scale", "0"],
+            "--callbacks.nan_guard: NaNGuard min_loss_scale must be > 0",
+        ),
+        (
+            ["--callbacks.memory.every_n_steps", "-1"],
+            "--callbacks.memory: ReleaseHostMemory every_n_steps must be an integer >= 0",
+        ),
+        # Old options: a key that cannot move, and a bad value at its new place.
+        (
+            ["--callbacks.telemetry", "false", "--run_callbacks.foo", "1"],
+            "unrecognized arguments: --run_callbacks.foo 1",
+        ),
+        (["--nan_guard.foo", "1"], "callbacks.nan_guard: Option 'foo' is not accepted"),
+        (
+            ["--run_callbacks.save_top_k", "-3"],
+            "--callbacks.best_checkpoint: save_top_k must be >= -1",
+        ),
+    ],
+)
+def test_a_bad_callbacks_entry_is_one_line_before_anything_is_built(
+    tmp_path, capsys, extra, expected
+):
+    line = refused(capsys, ["fit", *tiny(tmp_path, *extra)], tmp_path)
+    assert expected in line, line
+    assert "Union" not in line and "NoneType" not in line
+    assert not (tmp_path / "data").exists()  # the DataModule never ran
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "callbacks:\n  telemetry: false\n  unknown: true\n",
+            "does not accept option 'callbacks.unknown'",
+        ),
+        ("callbacks:\n  redraw:\n    policy: sometimes\n", "callbacks.redraw.policy: expected"),
+        ("run_callbacks:\n  lr_logging_interval: hourly\n", "callbacks.lr_monitor.logging_in"),
+    ],
+)
+def test_a_bad_callbacks_entry_in_a_config_file_is_one_line(tmp_path, capsys, text, expected):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    line = refused(capsys, ["fit", *tiny(tmp_path, "--config", str(bad))], tmp_path)
+    assert expected in line, line
+
+
 def test_short_parse_error_keeps_the_innermost_failure():
     message = (
         'Parser key "model":\n'

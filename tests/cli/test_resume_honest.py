@@ -54,7 +54,10 @@ def refused(capsys, argv: list[str]) -> str:
             "trainer.accumulate_grad_batches: checkpoint has 1, this run 2",
         ),
         (["--model.init_args.dropout", "0.3"], "model.init_args.dropout: checkpoint has 0.1"),
-        (["--redraw.policy", "steps"], "redraw.policy: checkpoint has never, this run steps"),
+        (
+            ["--callbacks.redraw.policy", "steps"],
+            "redraw.policy: checkpoint has never, this run steps",
+        ),
         (["--dropout_masks", "torch"], "dropout_masks: checkpoint has fast, this run torch"),
     ],
 )
@@ -172,31 +175,31 @@ def test_which_keys_may_change():
             "devices": 1,
             "callbacks": [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}],
         },
-        "run_callbacks": {"rng_states": True, "lr_monitor": True},
+        "callbacks": {"rng_states": True, "lr_monitor": True},
         "old_option": 1,
     }
     run = {
         "seed_everything": 1,
         "ckpt_path": "last",
         "trainer": {"max_steps": 8, "devices": 2, "callbacks": None},
-        "run_callbacks": {"rng_states": False, "lr_monitor": False},
+        "callbacks": {"rng_states": False, "lr_monitor": False},
         "new_option": 2,
     }
     refused_keys, allowed = resume_changes(saved, run)
     # An observing callback dropped, devices (an elastic resume), a later max_steps, the
     # learning-rate monitor: recorded. Restoring the RNG states changes what is trained.
     assert [c["key"] for c in allowed] == [
-        "run_callbacks.lr_monitor",
+        "callbacks.lr_monitor",
         "trainer.callbacks",
         "trainer.devices",
         "trainer.max_steps",
     ]
-    assert refused_keys == ["run_callbacks.rng_states: checkpoint has true, this run false"]
+    assert refused_keys == ["callbacks.rng_states: checkpoint has true, this run false"]
     # A callback that acts (early stopping ends the training) is refused.
     stopping = {"class_path": "lightning.pytorch.callbacks.EarlyStopping"}
     refused_keys, _ = resume_changes(saved, {**run, "trainer": {"callbacks": [stopping]}})
     assert [p.split(":")[0] for p in refused_keys] == [
-        "run_callbacks.rng_states",
+        "callbacks.rng_states",
         "trainer.callbacks",
     ]
 

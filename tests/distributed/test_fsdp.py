@@ -293,8 +293,9 @@ def test_fsdp_rmfa_ppsbn_features_and_statistics_identical_on_both_ranks(runs, m
     dump.write_text("trainer:\n  callbacks:\n    - class_path: ddp_probe.StateDump\n")
     run_cli(
         ["fit", *common, "--config", "attention/rmfa_exp.yaml", *fsdp(2), "--config", str(dump)]
-        + ["--model.init_args.attention.num_features", "16", "--redraw.policy", "steps"]
-        + ["--redraw.every_n_steps", "2", "--experiment", "rmfa", "--test_after_fit", "false"],
+        + ["--model.init_args.attention.num_features", "16", "--callbacks.redraw.policy", "steps"]
+        + ["--callbacks.redraw.every_n_steps", "2", "--experiment", "rmfa"]
+        + ["--test_after_fit", "false"],
         cwd=tmp,
     )
     r0, r1 = (load(tmp / f"state/rank{r}.pt") for r in (0, 1))
