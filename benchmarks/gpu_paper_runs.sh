@@ -12,7 +12,7 @@
 #   SMOKE=1 bash benchmarks/gpu_paper_runs.sh "lra_listops_table2.yaml --method=softmax --seed=1"
 #
 # LIMIT (seconds a run, default 420) bounds each point. A point that runs out of it saves
-# last.ckpt (SIGTERM) and comes back as $OUT/resume_<i>.tgz (its folder under RUNS, default
+# last.ckpt (SIGTERM) and comes back as $OUT/resume_<n>.tgz (its folder under RUNS, default
 # runs/lent, checkpoints included, W&B excluded). To go on in the next lease, unpack them into
 # the checkout (mkdir -p runs/lent && for f in resume_*.tgz; do tar xzf $f -C runs/lent; done),
 # carry runs/lent and give the same command: each unfinished point resumes where it stopped
