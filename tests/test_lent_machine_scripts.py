@@ -34,20 +34,11 @@ def test_gpu_paper_runs_packs_each_finished_run_as_results(tmp_path, parallel):
         # The per-point limit is for a lease; here a loaded machine may need longer.
         LIMIT="1500",
     )
-    done = subprocess.run(
-        [
-            "bash",
-            "benchmarks/gpu_paper_runs.sh",
-            "lra_listops_table2.yaml --method=softmax --seed=1",
-            "lra_listops_rivals.yaml --method=linear --seed=0",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
+    _paper_runs(
+        env,
+        "lra_listops_table2.yaml --method=softmax --seed=1",
+        "lra_listops_rivals.yaml --method=linear --seed=0",
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     with tarfile.open(tmp_path / "out" / "paper_runs.tgz") as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
     results = tmp_path / "unpacked/results/lra_listops"
@@ -62,6 +53,20 @@ def test_gpu_paper_runs_packs_each_finished_run_as_results(tmp_path, parallel):
     table = (tmp_path / "report/report.md").read_text()
     assert "| ListOps | softmax | – | 1 |" in table
     assert "| ListOps | linear | – | 1 |" in table
+
+
+def _paper_runs(env: dict, *points: str) -> subprocess.CompletedProcess:
+    """gpu_paper_runs.sh with these points, run to its end, which must be a success."""
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_paper_runs.sh", *points],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
 
 
 POINT = "lra_listops_table2.yaml --method=softmax --seed=1"
@@ -127,15 +132,7 @@ def test_a_point_cut_by_its_limit_goes_on_in_the_next_lease(tmp_path):
     Path(second["RUNS"]).mkdir(parents=True)
     with tarfile.open(Path(first["OUT"]) / "resume_1.tgz") as tar:
         tar.extractall(second["RUNS"], filter="data")
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu_paper_runs.sh", POINT],
-        cwd=ROOT,
-        env=second,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _paper_runs(second, POINT)
     assert not list(Path(second["OUT"]).glob("resume_*.tgz")), done.stdout
     point = Path(second["RUNS"]) / POINT_DIR
     assert sorted(p.name for p in point.glob("version_*")) == ["version_0"]  # resumed, not anew

@@ -76,23 +76,7 @@ OLD_GROUPS = ("nan_guard", "memory", "redraw", "telemetry", "run_callbacks")
 
 
 def build(tmp_path, *extra):
-    args = [
-        "--config",
-        "listops_short_cpu.yaml",
-        "--data.data_dir",
-        str(tmp_path / "data"),
-        "--data.train_size",
-        "16",
-        "--data.val_size",
-        "8",
-        "--data.test_size",
-        "8",
-        "--runs_dir",
-        str(tmp_path / "runs"),
-        "--wandb_mode",
-        "disabled",
-        *extra,
-    ]
+    args = tiny_listops(tmp_path / "data", tmp_path / "runs", "--wandb_mode", "disabled", *extra)
     return MacformerCLI(args, run=False).trainer
 
 
