@@ -18,7 +18,8 @@ DataModules give one (all True by default; ``--length-fraction`` pads a share).
 Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``softmax``
 (softmax.yaml, torch SDPA), ``macformer`` (rmfa_exp.yaml: RMFA exp + ppSBN), ``rmfa_nosbn``
 (the same without ppSBN), ``softmax_ppsbn`` (softmax_ppsbn.yaml), ``favor`` (favor.yaml),
-``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``maclaurin_nosbn``
+``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``macformer_fast``
+(maclaurin_ppsbn_fast.yaml: the same with bf16 rows and the compiled map), ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
 in the default set), and
 ``torch``: the same model written with torch's own modules,
@@ -222,6 +223,9 @@ def all_backends(config_dir: Path) -> list[Backend]:
                 "attention/linear.yaml"),
         Backend("macformer_learns", "degree-2 Maclaurin + ppSBN, temperature",
                 attention_yaml(config_dir, "maclaurin_ppsbn"), "attention/maclaurin_ppsbn.yaml"),
+        Backend("macformer_fast", "degree-2 Maclaurin + ppSBN, bf16 rows, compiled map",
+                attention_yaml(config_dir, "maclaurin_ppsbn_fast"),
+                "attention/maclaurin_ppsbn_fast.yaml"),
         Backend("maclaurin_nosbn", "degree-2 Maclaurin, no ppSBN",
                 attention_yaml(config_dir, "maclaurin"), "attention/maclaurin.yaml"),
         Backend("release", "RMFA as released (prefix sums, row pre-SBN)",

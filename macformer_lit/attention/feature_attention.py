@@ -31,15 +31,25 @@ DENOMINATOR_POLICIES: tuple[str, ...] = get_args(Denominator)
 DenominatorFloor = Literal["per_key", "absolute"]
 
 
+def feature_products(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
+    """φ(q)ᵀ[φ(k) v1]: φ (B, H, D', L), v1 (B, H, M, e) -> (B, H, N, e) in v1's dtype. The
+    products run in the rows' dtype (bfloat16 rows: bfloat16 GEMMs, which accumulate in
+    float32); with rows in v1's dtype the casts are no-ops."""
+    low = v1.to(phi_k.dtype)
+    return (phi_q.transpose(-1, -2) @ (phi_k @ low)).to(v1.dtype)
+
+
 def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
-    """Σ_{j≤i} (φ_qi·φ_kj) v1_j, chunked: φ (B, H, nc, D', C), v1 (B, H, nc, C, e) -> like v1."""
+    """Σ_{j≤i} (φ_qi·φ_kj) v1_j, chunked: φ (B, H, nc, D', C), v1 (B, H, nc, C, e) -> like v1.
+    Products in the rows' dtype as in ``feature_products``; the sums over chunks in v1's."""
     chunk = v1.shape[-2]
     tril = torch.ones(chunk, chunk, dtype=torch.bool, device=v1.device).tril()
-    out = (phi_q.transpose(-1, -2) @ phi_k).masked_fill_(~tril, 0.0) @ v1
-    state = phi_k @ v1  # (B, H, nc, D', e)
+    low = v1.to(phi_k.dtype)
+    out = ((phi_q.transpose(-1, -2) @ phi_k).masked_fill_(~tril, 0.0) @ low).to(v1.dtype)
+    state = (phi_k @ low).to(v1.dtype)  # (B, H, nc, D', e)
     # Exclusive prefix over chunks: chunk c sees the keys of chunks < c.
     state = F.pad(state.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
-    return out + phi_q.transpose(-1, -2) @ state
+    return out + (phi_q.transpose(-1, -2) @ state.to(phi_q.dtype)).to(v1.dtype)
 
 
 class _DivideByLastColumn(torch.autograd.Function):
@@ -272,7 +282,7 @@ class FeatureAttention(AttentionBackend):
                 keep = None if mask is None else mask[:, None, None, :]
                 phi_k, ref = self._key_features(k, keep, None)
                 phi_q, den_scale = self._query_features(q, ref)
-                out = phi_q.transpose(-1, -2) @ (phi_k @ v1)  # (B, H, N, d+1)
+                out = feature_products(phi_q, phi_k, v1)  # (B, H, N, d+1)
                 count = M if mask is None else mask.sum(-1, dtype=ct)[:, None, None, None]
 
             def visible_sums():
@@ -313,12 +323,12 @@ class FeatureAttention(AttentionBackend):
             v1 = F.pad(v, (0, 1), value=1.0)  # (B, H, 1, d+1)
             floor = None if state is None else state.get("ref")
             phi_k, ref = self._key_features(k, None, floor)
-            kv, totals = phi_k @ v1, v1
+            kv, totals = (phi_k @ v1.to(phi_k.dtype)).to(ct), v1  # the state in ct
             if state is not None:
                 scale = 1.0 if ref is None else self._rescale_state(state["ref"], ref)
                 kv, totals = state["kv"] * scale + kv, state["totals"] + v1
             phi_q, den_scale = self._query_features(q, ref)
-            out = phi_q.transpose(-1, -2) @ kv
+            out = (phi_q.transpose(-1, -2) @ kv.to(phi_q.dtype)).to(ct)
             out = self._normalise(out, totals[..., -1:], den_scale, lambda: totals).to(dtype)
         new_state = {"kv": kv, "totals": totals}
         if ref is not None:
@@ -341,6 +351,7 @@ class FeatureAttention(AttentionBackend):
                 keep = mask[:, None, None, :]
             phi_k, ref = self._key_features(k, keep, None)
             phi_q, _ = self._query_features(q, ref)
+            phi_q, phi_k = phi_q.to(ct), phi_k.to(ct)  # sums in ct whatever the rows' dtype
             if keep is not None:  # padded keys reach no denominator (the forward's ones column)
                 phi_k = phi_k * keep
             if causal and q.shape[2] == k.shape[2]:

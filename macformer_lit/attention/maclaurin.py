@@ -10,12 +10,20 @@ degree-2 Taylor cut, close where |s| is a few units: after pre-SBN |s| ≤ τ/�
 where 128 random Maclaurin features already lose to uniform attention
 (benchmarks/results/temperature_nmse.md). D' = 1 + d + d(d+1)/2 rows (561 at d = 32), the
 symmetric half of x⊗x. ``degree: 1`` keeps [√a₀, √a₁·x] (the first-order baseline).
+
+Two options make it fast (docs/maths.md §14, fast options): ``feature_dtype: bfloat16``
+keeps the rows and the two products in bfloat16 (GEMMs that accumulate in float32;
+numerator and denominator divided in float32), within a bound of five bfloat16 roundings;
+``compile_map: true`` evaluates the map with ``torch.compile`` (one fused loop forward and
+one backward instead of d slices; a C++ compiler must be on PATH).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+import os
+import shutil
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -25,6 +33,38 @@ from .pieces import PIECE_BYTES, batch_slices
 
 # Bytes of the feature rows of one piece of the batch: a few batch entries at N ~ 1,000.
 PIECE_FEATURE_BYTES = 16 << 20
+
+FeatureDtype = Literal["float32", "bfloat16"]
+FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def maclaurin_rows(x, scale, degree: int, out_dtype: torch.dtype):
+    """φ rows (..., L, D') of x (..., L, d) in ``out_dtype``, computed in x's dtype."""
+    x = x * x.shape[-1] ** -0.25
+    parts = [torch.ones_like(x[..., :1]), x]
+    if degree == 2:
+        # Row i of the upper triangle, x_i·x_{i..d}: slices, whose backward is a sum per
+        # slice (an index gather's backward scatters: slower, benchmarks/README.md).
+        parts.extend(x[..., i : i + 1] * x[..., i:] for i in range(x.shape[-1]))
+    return (torch.cat(parts, -1) * scale).to(out_dtype)
+
+
+_compiled_rows = None
+
+
+def compiled_maclaurin_rows():
+    """``maclaurin_rows`` under ``torch.compile`` (dynamic shapes: one graph for every length
+    and batch), built on first use."""
+    global _compiled_rows
+    if _compiled_rows is None:
+        _compiled_rows = torch.compile(maclaurin_rows, dynamic=True)
+    return _compiled_rows
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's inductor would find (``$CXX``, else g++, clang++, c++)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+    return next((path for name in names if (path := shutil.which(name))), None)
 
 
 class MaclaurinAttention(FeatureAttention):
@@ -40,11 +80,25 @@ class MaclaurinAttention(FeatureAttention):
         kernel: str = "exp",
         degree: Literal[1, 2] = 2,
         bounded_inputs: bool = False,
+        feature_dtype: FeatureDtype = "float32",
+        compile_map: bool = False,
         **common: Any,
     ) -> None:
+        """``feature_dtype``: the dtype of the feature rows and of the two products (the
+        map itself and the division compute in float32; float64 models stay float64).
+        ``compile_map``: evaluate the map with ``torch.compile`` (needs a C++ compiler)."""
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
         if degree not in (1, 2):
             raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
+        if feature_dtype not in FEATURE_DTYPES:
+            valid = ", ".join(get_args(FeatureDtype))
+            raise ValueError(f"feature_dtype must be one of {valid}; got {feature_dtype!r}")
+        if compile_map and cxx_compiler() is None:
+            raise ValueError(
+                "compile_map: true needs a C++ compiler on PATH for torch.compile (g++, clang++ "
+                "or $CXX): install one, or set compile_map: false"
+            )
+        self.feature_dtype, self.compile_map = feature_dtype, compile_map
         self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
         self.target_kernel, self.degree = kernel, degree
         a = [self.kernel.coefficient(n) for n in range(degree + 1)]
@@ -58,17 +112,22 @@ class MaclaurinAttention(FeatureAttention):
         self.num_features = scale.numel()
 
     def extra_repr(self) -> str:
-        return f"kernel={self.kernel.name}, degree={self.degree}, features={self.num_features}"
+        return (
+            f"kernel={self.kernel.name}, degree={self.degree}, features={self.num_features}, "
+            f"feature_dtype={self.feature_dtype}, compile_map={self.compile_map}"
+        )
+
+    def _rows_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The rows' dtype for a map computed in ``dtype``: ``feature_dtype`` in place of
+        float32; wider (a float64 model, the float64 references) stays as it is."""
+        return FEATURE_DTYPES[self.feature_dtype] if dtype == torch.float32 else dtype
 
     def _map(self, x):
         """φ rows (B, H, ..., D', L) of x (B, H, ..., L, d)."""
-        x = x * self.head_dim**-0.25
-        parts = [torch.ones_like(x[..., :1]), x]
-        if self.degree == 2:
-            # Row i of the upper triangle, x_i·x_{i..d}: slices, whose backward is a sum per
-            # slice (an index gather's backward scatters: slower, benchmarks/README.md).
-            parts.extend(x[..., i : i + 1] * x[..., i:] for i in range(self.head_dim))
-        phi = torch.cat(parts, -1) * self._scale.to(x.dtype)
+        rows = maclaurin_rows
+        if self.compile_map and x.dtype != torch.float64:
+            rows = compiled_maclaurin_rows()
+        phi = rows(x, self._scale.to(x.dtype), self.degree, self._rows_dtype(x.dtype))
         return phi.transpose(-1, -2)
 
     def _key_features(self, k, keep, floor):
@@ -84,7 +143,8 @@ class MaclaurinAttention(FeatureAttention):
         entries are independent, so the result is the same; statistics are collected in
         one piece. ``split``, not slicing: its backward is one concatenation, where each
         slice's backward writes a zero tensor of the whole batch (docs/pitfalls.md §2)."""
-        entry = q[:1].numel() // q.shape[-1] * self.num_features * q.element_size()
+        rows = self._rows_dtype(torch.promote_types(q.dtype, torch.float32))
+        entry = q[:1].numel() // q.shape[-1] * self.num_features * rows.itemsize
         slices = batch_slices(q, max(1, entry * PIECE_BYTES // PIECE_FEATURE_BYTES))
         if len(slices) == 1 or self.collect_stats:
             return super().attend_now(q, k, v, key_padding_mask, causal)
