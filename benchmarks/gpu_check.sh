@@ -1,8 +1,9 @@
 #!/bin/bash
 # Everything this project checks on a CUDA machine, in one command that fits a short lease:
-# the machine, the CUDA-marked tests, the training-step benchmark (eager fp32, bf16 autocast,
-# fp16 with a GradScaler) at every LRA preset, the attention benchmark, one real CLI training
-# run in fp16 (RMFA exp + ppSBN, synthetic translation, test BLEU), and the compiled training
+# the machine, the CUDA-marked tests (and the Maclaurin fast options' tests), the
+# training-step benchmark (eager fp32, bf16 autocast, fp16 with a GradScaler) at every LRA
+# preset, the attention benchmark, one real CLI training run in fp16 (RMFA exp + ppSBN,
+# synthetic translation, test BLEU), and the compiled training
 # step at the ListOps shape. At most about 10 minutes on one H100/H200. Measured on an H200
 # at 598b889: machine 23 s, tests 25 s, training-step benchmark 115 s, attention benchmark
 # 22 s; the fp16 fit and the compiled step ran out of their limits then (100 and 150 s): the
@@ -39,9 +40,9 @@ else
 fi
 
 step_machine
-step tests 120 $PY -m pytest -q -p no:cacheprovider -rs tests/test_device_branches.py
+step tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_device_branches.py tests/attention/test_maclaurin_fast.py
 step train_step 200 $PY -m benchmarks.train_step --device "$DEVICE" \
-    --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,macformer_learns,favor,linear,torch \
+    --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,macformer_learns,macformer_fast,favor,linear,torch \
     --paths eager,bf16,fp16 "${TS[@]}" --out "$WORK/bench" --name "train_step_$DEVICE"
 step attention_speed 75 $PY -m benchmarks.attention_speed --device "$DEVICE" "${AS[@]}" \
     --out "$WORK/bench" --name "attention_speed_$DEVICE"
@@ -51,6 +52,6 @@ step fit_fp16 150 $PY -m macformer_lit fit --config translation_synthetic.yaml \
 find "$WORK/runs" -name '*.ckpt' -delete 2>/dev/null
 pack
 step train_step_compile 200 $PY -m benchmarks.train_step --device "$DEVICE" --presets listops \
-    --backends softmax,macformer,macformer_learns --paths eager,bf16,compile+bf16 "${TS[@]}" \
+    --backends softmax,macformer,macformer_learns,macformer_fast --paths eager,bf16,compile+bf16 "${TS[@]}" \
     --out "$WORK/bench" --name "train_step_compile_$DEVICE"
 echo "=== done $(date +%T); outputs in $OUT/gpu_check.tgz"

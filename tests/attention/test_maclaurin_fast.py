@@ -151,3 +151,21 @@ def test_compile_map_needs_a_cxx_compiler(monkeypatch, tmp_path):
 def test_unknown_feature_dtype():
     with pytest.raises(ValueError, match="feature_dtype"):
         build_attention("maclaurin", head_dim=8, num_heads=2, feature_dtype="float16")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_bfloat16_rows_and_compiled_map_on_the_gpu(causal):
+    """cuBLAS's bf16 GEMMs and the Triton map inside the same bound as on the CPU."""
+    q, k, v, mask = _inputs(5, tau=16.0)
+    attn = build_attention(
+        "maclaurin", head_dim=32, num_heads=2, feature_dtype="bfloat16", compile_map=True
+    )
+    exact, bound = rounding_bound(attn, q, k, v, mask, causal)
+    out = attn.cuda()(*(t.cuda() for t in (q, k, v)), key_padding_mask=mask.cuda(), causal=causal)
+    err = (out.double().cpu() - exact).abs()
+    assert (err <= bound).all(), float((err / bound).max())
