@@ -20,6 +20,7 @@ one backward instead of d slices; a C++ compiler must be on PATH).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -49,16 +50,11 @@ def maclaurin_rows(x, scale, degree: int, out_dtype: torch.dtype):
     return (torch.cat(parts, -1) * scale).to(out_dtype)
 
 
-_compiled_rows = None
-
-
+@functools.cache
 def compiled_maclaurin_rows():
     """``maclaurin_rows`` under ``torch.compile`` (dynamic shapes: one graph for every length
     and batch), built on first use."""
-    global _compiled_rows
-    if _compiled_rows is None:
-        _compiled_rows = torch.compile(maclaurin_rows, dynamic=True)
-    return _compiled_rows
+    return torch.compile(maclaurin_rows, dynamic=True)
 
 
 def cxx_compiler() -> str | None:

@@ -38,13 +38,12 @@ def rounding_bound(attn, q, k, v, mask, causal):
     Σ_f |φ_f(q) φ_f(k)| (it is that sum). Rows whose denominator the bound does not keep
     positive (large τ, few keys) get no bound (inf)."""
     d, M = q.shape[-1], k.shape[2]
-    a = [attn.kernel.coefficient(n) for n in range(3)]
     q, k, v = q.double(), k.double(), v.double()
     t = q.abs() @ k.abs().transpose(-1, -2) / math.sqrt(d)
     s = q @ k.transpose(-1, -2) / math.sqrt(d)
     keep = keep_mask(q, k, mask, causal).double()
-    k_abs = (a[0] + a[1] * t + a[2] * t * t) * keep
-    kernel = (a[0] + a[1] * s + a[2] * s * s) * keep
+    k_abs = attn.kernel.truncated(t, 2) * keep
+    kernel = attn.kernel.truncated(s, 2) * keep
     den = kernel.sum(-1, keepdim=True)
     exact = (kernel @ v) / den
     gamma = M * U32 / (1 - M * U32)
