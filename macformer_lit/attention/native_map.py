@@ -1,0 +1,317 @@
+"""The degree-2 Maclaurin map and its backward as a hand-written CPU kernel (docs/maths.md §14).
+
+    φ(x) = [s₀, s₁·x̂, s₂ᵢⱼ·x̂ᵢx̂ⱼ for i ≤ j],  x̂ = x·d^{-1/4}          (forward)
+    ∂x_a = d^{-1/4}·(s₁·g₁ₐ + Σ_{b≥a} s₂ₐᵦ·g₂ₐᵦ·x̂ᵦ + Σ_{b≤a} s₂ᵦₐ·g₂ᵦₐ·x̂ᵦ)   (backward)
+
+The eager map is d slice products and a concatenation, and its backward d sums; under
+torch.compile, inductor's loop over the slices ran far below memory bandwidth
+(benchmarks/README.md, fast options). Here each row is one loop over its D' outputs, the
+rows split over ``torch.get_num_threads()`` threads, and the compiler vectorises the loops
+(``-O3 -march=native``). The forward computes in float32 in the eager map's order and
+rounds to bfloat16 to nearest even as torch does: the rows are the eager map's, bit for bit.
+The backward sums in another order than autograd's (float32 rounding apart).
+
+The C++ source has no torch headers: it builds with the system's C++ compiler in about a
+second into a cache folder (``$MACFORMER_LIT_CACHE``, else ``$XDG_CACHE_HOME/macformer_lit``,
+else ``~/.cache/macformer_lit``), once per source, compiler and CPU, and loads with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    // NaN stays a quiet NaN; everything else rounds to nearest even (c10::BFloat16's rule).
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
+inline float from_bf16(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename F>
+void parallel_rows(int64_t rows, int threads, F body) {
+    if (threads <= 1 || rows < 2 * threads) {
+        body(int64_t(0), rows);
+        return;
+    }
+    std::vector<std::thread> pool;
+    int64_t step = (rows + threads - 1) / threads;
+    for (int t = 1; t < threads; ++t) {
+        int64_t lo = t * step, hi = lo + step < rows ? lo + step : rows;
+        if (lo < hi) pool.emplace_back(body, lo, hi);
+    }
+    body(int64_t(0), step < rows ? step : rows);
+    for (auto& th : pool) th.join();
+}
+
+// One row: x (d) -> out (D' = 1 + d + d(d+1)/2) in OutT (float or bf16 bits).
+// Row a of the upper triangle (x_a·x_{a..d-1}, d - a entries) starts at off_a; the window
+// of d entries that ends where it ends starts at off_a - a, and holds entries of rows < a
+// before it. With the head size d fixed at compile time (DT > 0) every loop is d long, the
+// compiler unrolls and vectorises them: the forward writes whole windows in decreasing a
+// (each window's first a entries are rewritten by the rows < a that follow), the backward
+// reads whole windows and zeroes their first a entries. DT = 0: loops over the triangle's
+// rows as they are, for any head size up to 1,024.
+template <int DT, typename OutT, typename Store>
+void forward_rows(const float* x, const float* scale, OutT* out, int64_t lo, int64_t hi,
+                  int d_, int64_t D, float c, Store store) {
+    const int d = DT > 0 ? DT : d_;
+    float xs[1024];
+    for (int64_t r = lo; r < hi; ++r) {
+        const float* xr = x + r * d;
+        OutT* o = out + r * D;
+        for (int a = 0; a < d; ++a) xs[a] = xr[a] * c;
+        o[0] = store(1.0f * scale[0]);
+        for (int a = 0; a < d; ++a) o[1 + a] = store(xs[a] * scale[1 + a]);
+        if (DT > 0) {
+            for (int a = d - 1; a >= 0; --a) {
+                const int64_t w = 1 + d + int64_t(a) * d - int64_t(a) * (a - 1) / 2 - a;
+                const float xa = xs[a];
+                OutT* oa = o + w;
+                const float* sa = scale + w;
+                for (int j = 0; j < DT; ++j) oa[j] = store((xa * xs[j]) * sa[j]);
+            }
+        } else {
+            int64_t off = 1 + d;
+            for (int a = 0; a < d; ++a) {
+                const float xa = xs[a];
+                const int n = d - a;
+                OutT* oa = o + off;
+                const float* sa = scale + off;
+                const float* xb = xs + a;
+                for (int j = 0; j < n; ++j) oa[j] = store((xa * xb[j]) * sa[j]);
+                off += n;
+            }
+        }
+    }
+}
+
+template <int DT, typename InT, typename Load>
+void backward_rows(const InT* g, const float* x, const float* scale, float* gx, int64_t lo,
+                   int64_t hi, int d_, int64_t D, float c, Load load) {
+    const int d = DT > 0 ? DT : d_;
+    float xs[1024], acc[1024], gs[1024];
+    for (int64_t r = lo; r < hi; ++r) {
+        const float* xr = x + r * d;
+        const InT* gr = g + r * D;
+        for (int a = 0; a < d; ++a) xs[a] = xr[a] * c;
+        for (int a = 0; a < d; ++a) acc[a] = load(gr[1 + a]) * scale[1 + a];
+        if (DT > 0) {
+            for (int a = 0; a < d; ++a) {
+                const int64_t w = 1 + d + int64_t(a) * d - int64_t(a) * (a - 1) / 2 - a;
+                const InT* ga = gr + w;
+                const float* sa = scale + w;
+                // g'_ab = g_ab·s_ab for b ≥ a, 0 before: entries of other rows never reach a.
+                for (int j = 0; j < DT; ++j) gs[j] = j >= a ? load(ga[j]) * sa[j] : 0.0f;
+                // Σ_{b≥a} g'_ab x_b as a tree of halves: vector adds (a running sum is a
+                // chain the compiler may not reorder).
+                float part[DT > 0 ? DT : 1];
+                for (int j = 0; j < DT; ++j) part[j] = gs[j] * xs[j];
+                for (int h = DT / 2; h > 0; h /= 2)
+                    for (int j = 0; j < h; ++j) part[j] += part[j + h];
+                acc[a] += part[0];
+                const float xa = xs[a];
+                for (int j = 0; j < DT; ++j) acc[j] += gs[j] * xa;      // Σ_{b≤j} g'_bj x_b
+            }
+        } else {
+            int64_t off = 1 + d;
+            for (int a = 0; a < d; ++a) {
+                const int n = d - a;
+                const InT* ga = gr + off;
+                const float* sa = scale + off;
+                for (int j = 0; j < n; ++j) gs[j] = load(ga[j]) * sa[j];
+                float dot = 0.0f;
+                for (int j = 0; j < n; ++j) dot += gs[j] * xs[a + j];
+                acc[a] += dot;
+                const float xa = xs[a];
+                for (int j = 0; j < n; ++j) acc[a + j] += gs[j] * xa;
+                off += n;
+            }
+        }
+        float* o = gx + r * d;
+        for (int a = 0; a < d; ++a) o[a] = acc[a] * c;
+    }
+}
+
+}  // namespace
+
+#define DISPATCH(fn, ...)                                        \
+    switch (d) {                                                 \
+        case 16: fn<16>(__VA_ARGS__); break;                     \
+        case 32: fn<32>(__VA_ARGS__); break;                     \
+        case 64: fn<64>(__VA_ARGS__); break;                     \
+        default: fn<0>(__VA_ARGS__);                             \
+    }
+
+extern "C" {
+
+int maclaurin2_forward(const float* x, const float* scale, void* out, int64_t rows, int d,
+                       int bf16, int threads) {
+    if (d > 1024) return 1;
+    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
+    float c = 1.0f;
+    // c = d^(-1/4) in float32, as x * d ** -0.25 multiplies by the double rounded to float.
+    c = float(__builtin_pow(double(d), -0.25));
+    if (bf16) {
+        auto* o = static_cast<uint16_t*>(out);
+        auto store = [](float v) { return to_bf16(v); };
+        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
+            DISPATCH(forward_rows, x, scale, o, lo, hi, d, D, c, store);
+        });
+    } else {
+        auto* o = static_cast<float*>(out);
+        auto store = [](float v) { return v; };
+        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
+            DISPATCH(forward_rows, x, scale, o, lo, hi, d, D, c, store);
+        });
+    }
+    return 0;
+}
+
+int maclaurin2_backward(const void* g, const float* x, const float* scale, float* gx,
+                        int64_t rows, int d, int bf16, int threads) {
+    if (d > 1024) return 1;
+    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
+    const float c = float(__builtin_pow(double(d), -0.25));
+    if (bf16) {
+        auto* gg = static_cast<const uint16_t*>(g);
+        auto load = [](uint16_t v) { return from_bf16(v); };
+        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
+            DISPATCH(backward_rows, gg, x, scale, gx, lo, hi, d, D, c, load);
+        });
+    } else {
+        auto* gg = static_cast<const float*>(g);
+        auto load = [](float v) { return v; };
+        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
+            DISPATCH(backward_rows, gg, x, scale, gx, lo, hi, d, D, c, load);
+        });
+    }
+    return 0;
+}
+
+}
+"""
+
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-pthread"]
+MAX_HEAD_DIM = 1024
+
+
+def cache_dir() -> Path:
+    """Where the built library lives: ``$MACFORMER_LIT_CACHE``, else the XDG cache."""
+    if os.environ.get("MACFORMER_LIT_CACHE"):
+        return Path(os.environ["MACFORMER_LIT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "macformer_lit"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds for them): part of the cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def library(compiler: str) -> ctypes.CDLL:
+    """Build (once per source, compiler and CPU) and load the kernel library."""
+    key = hashlib.sha256(
+        "\0".join([SOURCE, compiler, " ".join(FLAGS), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    path = cache_dir() / f"maclaurin_map_{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, lib = Path(tmp) / "map.cpp", Path(tmp) / "map.so"
+            src.write_text(SOURCE)
+            done = subprocess.run(
+                [compiler, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                errors = [line for line in done.stderr.splitlines() if "error" in line]
+                raise ValueError(
+                    f"native_map: true: {compiler} could not build the kernel "
+                    f"({(errors or done.stderr.splitlines() or ['no message'])[0].strip()}): "
+                    "set native_map: false"
+                )
+            os.replace(lib, path)  # atomic: processes building at once each land a whole file
+    lib = ctypes.CDLL(str(path))
+    for name in ("maclaurin2_forward", "maclaurin2_backward"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+    lib.maclaurin2_forward.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_int] * 3
+    lib.maclaurin2_backward.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 3
+    return lib
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise ValueError(f"the native Maclaurin map takes head_dim ≤ {MAX_HEAD_DIM}")
+
+
+class NativeMaclaurinMap(torch.autograd.Function):
+    """φ rows (..., L, D') of x (..., L, d) float32 on the CPU, in ``out_dtype`` (float32 or
+    bfloat16); ``scale`` (D',) float32. The gradient reaches x only (the scale is a
+    constant buffer)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, out_dtype, compiler):
+        x = x.contiguous()
+        d = x.shape[-1]
+        D = 1 + d + d * (d + 1) // 2
+        out = torch.empty(*x.shape[:-1], D, dtype=out_dtype)
+        lib = library(compiler)
+        bf16 = int(out_dtype == torch.bfloat16)
+        rows, threads = x.numel() // d, torch.get_num_threads()
+        _check(lib.maclaurin2_forward(x.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, d,
+                                      bf16, threads))  # fmt: skip
+        ctx.save_for_backward(x, scale)
+        ctx.compiler = compiler
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, scale = ctx.saved_tensors
+        d = x.shape[-1]
+        g = g.contiguous()
+        bf16 = g.dtype == torch.bfloat16
+        if not bf16 and g.dtype != torch.float32:
+            g = g.float()
+        gx = torch.empty_like(x)
+        rows, threads = x.numel() // d, torch.get_num_threads()
+        backward = library(ctx.compiler).maclaurin2_backward
+        _check(backward(g.data_ptr(), x.data_ptr(), scale.data_ptr(), gx.data_ptr(), rows, d,
+                        int(bf16), threads))  # fmt: skip
+        return gx, None, None, None
+
+
+def native_maclaurin_rows(x, scale, out_dtype: torch.dtype, compiler: str) -> torch.Tensor:
+    """The degree-2 rows of ``maclaurin.maclaurin_rows`` from the native kernel."""
+    return NativeMaclaurinMap.apply(x, scale.float().contiguous(), out_dtype, compiler)

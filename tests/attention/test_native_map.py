@@ -1,0 +1,163 @@
+"""The native degree-2 Maclaurin map (attention/native_map.py): the eager map's rows bit for
+bit, its gradient within float32's rounding of the exact one, the same bits on any thread
+count, the attention it serves equal to the eager map's, and the bad combinations refused."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from macformer_lit.attention import build_attention
+from macformer_lit.attention.maclaurin import maclaurin_rows
+from macformer_lit.attention.native_map import library, native_maclaurin_rows
+
+U32 = 2.0**-24
+CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    """Build into a folder of the test session, not the user's cache."""
+    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
+
+
+def _scale(d):
+    return build_attention("maclaurin", head_dim=d, num_heads=1)._scale
+
+
+# 8 and 48: the loop for any head size; 16, 32, 64: the compiled-in sizes.
+@pytest.mark.parametrize("d", [8, 16, 32, 48, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rows_are_the_eager_maps_bit_for_bit(d, dtype):
+    g = torch.Generator().manual_seed(d)
+    # Non-contiguous input; large and tiny entries (bfloat16's rounding at both ends), a NaN.
+    x = torch.randn(3, 37, 2, d, generator=g).transpose(1, 2) * 3
+    x[0, 0, 0, :2] = torch.tensor([1e-30, 3e20])
+    x[2, 1, 5, 3] = float("nan")
+    native = native_maclaurin_rows(x, _scale(d), dtype, CXX)
+    eager = maclaurin_rows(x, _scale(d), 2, dtype)
+    assert native.dtype == dtype and native.shape == eager.shape
+    assert torch.equal(native.isnan(), eager.isnan())
+    assert torch.equal(native.nan_to_num(), eager.nan_to_num())
+
+
+@pytest.mark.parametrize("d", [8, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gradient_within_float32_rounding_of_the_exact_one(d, dtype):
+    """Each entry of ∂x sums d + 2 terms g'·x̂ (g' = g·s), each from two or three float32
+    products, scaled by d^(-1/4): within γ_{2d+8}·Σ|terms| of the float64 gradient of the same
+    (rounded) g, in any order of summation. Σ|terms| is that gradient at |x|, |g|."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 50, d, generator=gen)
+    grad = torch.randn(2, 3, 50, 1 + d + d * (d + 1) // 2, generator=gen).to(dtype)
+    xn = x.clone().requires_grad_()
+    (native,) = torch.autograd.grad(native_maclaurin_rows(xn, _scale(d), dtype, CXX), xn, grad)
+    x64 = x.double().requires_grad_()
+    rows = maclaurin_rows(x64, _scale(d).double(), 2, torch.float64)
+    (exact,) = torch.autograd.grad(rows, x64, grad.double())
+    xa = x.double().abs().requires_grad_()
+    rows = maclaurin_rows(xa, _scale(d).double(), 2, torch.float64)
+    (size,) = torch.autograd.grad(rows, xa, grad.double().abs())
+    n = 2 * d + 8
+    bound = n * U32 / (1 - n * U32) * size
+    err = (native.double() - exact).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+    assert err.max() > 0  # float32, not float64: the bound is not met vacuously
+
+
+def test_same_bits_on_any_thread_count():
+    x = torch.randn(4, 2, 301, 32).requires_grad_()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            rows = native_maclaurin_rows(x, _scale(32), torch.bfloat16, CXX)
+            (gx,) = torch.autograd.grad(rows, x, torch.ones_like(rows))
+            results.append((rows, gx))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_attention_equals_the_eager_maps(causal):
+    """In ppSBN with bfloat16 rows and padding: the forward from the same rows is the same
+    bits; the gradients from the two backwards agree to float32 rounding."""
+    spec = dict(name="maclaurin", pre_sbn=True, post_sbn=True, temperature_max=32.0,
+                feature_dtype="bfloat16")  # fmt: skip
+    eager = build_attention(spec, head_dim=32, num_heads=2)
+    native = build_attention({**spec, "native_map": True}, head_dim=32, num_heads=2)
+    native.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(3)
+    q0, k0, v0 = (torch.randn(2, 2, 90, 32, generator=g) for _ in "qkv")
+    mask = torch.ones(2, 90, dtype=torch.bool)
+    mask[1, 60:] = False
+    results = []
+    for attn in (eager, native):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = attn(q, k, v, key_padding_mask=mask, causal=causal)
+        (out * mask[:, None, :, None]).square().sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1:], results[1][1:]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_float64_takes_the_eager_map():
+    attn = build_attention("maclaurin", head_dim=8, num_heads=1, native_map=True).double()
+    x = torch.randn(1, 1, 5, 8, dtype=torch.float64)
+    assert attn._map(x).dtype == torch.float64
+
+
+def test_cache_folder(tmp_path, monkeypatch):
+    """The library is built into $MACFORMER_LIT_CACHE, one file per source and compiler."""
+    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path))
+    library.cache_clear()
+    try:
+        library(CXX)
+        built = list(tmp_path.glob("maclaurin_map_*.so"))
+        assert len(built) == 1 and built[0].stat().st_size > 0
+        assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # no build folder left
+    finally:
+        library.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(degree=1), "native_map: true is the degree-2 map's kernel"),
+        (dict(head_dim=2048), "native_map: true takes head_dim ≤ 1024"),
+    ],
+)
+def test_bad_combinations_refused(options, message):
+    kwargs = dict(head_dim=8, num_heads=1, native_map=True) | options
+    with pytest.raises(ValueError, match=message):
+        build_attention("maclaurin", **kwargs)
+
+
+def test_needs_a_cxx_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match="native_map: true needs a C\\+\\+ compiler"):
+        build_attention("maclaurin", head_dim=8, num_heads=2, native_map=True)
+
+
+def test_a_compiler_that_fails_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Checked when the backend is built, before any training."""
+    broken = tmp_path / "c++"
+    broken.write_text("#!/bin/sh\necho 'fatal error: no such target' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path / "cache"))
+    library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="could not build the kernel") as err:
+            build_attention("maclaurin", head_dim=8, num_heads=1, native_map=True)
+    finally:
+        library.cache_clear()
+    assert "\n" not in str(err.value) and "no such target" in str(err.value)
