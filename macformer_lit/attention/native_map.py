@@ -9,7 +9,9 @@ torch.compile, inductor's loop over the slices ran far below memory bandwidth
 rows split over ``torch.get_num_threads()`` threads, and the compiler vectorises the loops
 (``-O3 -march=native``). The forward computes in float32 in the eager map's order and
 rounds to bfloat16 to nearest even as torch does: the rows are the eager map's, bit for bit.
-The backward sums in another order than autograd's (float32 rounding apart).
+The backward sums in another order than autograd's (float32 rounding apart); a gradient
+stored feature-major, as the product φ(k)ᵀ[v, 1] returns φ(k)'s, is read in place by a
+second backward that puts consecutive rows side by side in the vector lanes.
 
 The C++ source has no torch headers: it builds with the system's C++ compiler in about a
 second into a cache folder (``$MACFORMER_LIT_CACHE``, else ``$XDG_CACHE_HOME/macformer_lit``,
@@ -157,6 +159,72 @@ void backward_rows(const InT* g, const float* x, const float* scale, float* gx, 
     }
 }
 
+// The backward for a gradient stored feature-major, (entries, D', L) contiguous, as the
+// product φ(k)ᵀ[v, 1] returns φ(k)'s: LANES consecutive rows of an entry side by side, so
+// every operation is the same on each lane and the compiler vectorises across rows. x is
+// (entries, L, d) row-major; each block of rows is transposed into xt (d × LANES) first.
+constexpr int LANES = 32;
+
+template <bool FULL, typename InT, typename Load>
+void backward_block(const InT* g, const float* x, const float* scale, float* gx, int64_t L,
+                    int64_t l0, int w, int d, int64_t D, float c, Load load) {
+    float xt[1024][LANES], acc[1024][LANES], t[LANES];
+    const int W = FULL ? LANES : w;
+    for (int a = 0; a < d; ++a)
+        for (int i = 0; i < LANES; ++i) {
+            xt[a][i] = i < W ? x[(l0 + i) * d + a] * c : 0.0f;
+            acc[a][i] = 0.0f;
+        }
+    auto row = [&](int64_t f, float* out) {
+        const InT* gf = g + f * L + l0;
+        if (FULL) {
+            for (int i = 0; i < LANES; ++i) out[i] = load(gf[i]) * scale[f];
+        } else {
+            for (int i = 0; i < LANES; ++i) out[i] = i < W ? load(gf[i]) * scale[f] : 0.0f;
+        }
+    };
+    for (int a = 0; a < d; ++a) {
+        row(1 + a, t);
+        for (int i = 0; i < LANES; ++i) acc[a][i] += t[i];
+    }
+    int64_t f = 1 + d;
+    for (int a = 0; a < d; ++a) {
+        float* __restrict__ acc_a = acc[a];
+        const float* __restrict__ x_a = xt[a];
+        row(f++, t);  // the diagonal g'_aa: 2·g'_aa·x_a
+        for (int i = 0; i < LANES; ++i) acc_a[i] += 2.0f * t[i] * x_a[i];
+        for (int b = a + 1; b < d; ++b) {
+            float* __restrict__ acc_b = acc[b];
+            const float* __restrict__ x_b = xt[b];
+            row(f++, t);  // g'_ab on every lane
+            for (int i = 0; i < LANES; ++i) {
+                acc_a[i] += t[i] * x_b[i];
+                acc_b[i] += t[i] * x_a[i];
+            }
+        }
+    }
+    for (int i = 0; i < W; ++i)
+        for (int a = 0; a < d; ++a) gx[(l0 + i) * d + a] = acc[a][i] * c;
+}
+
+template <typename InT, typename Load>
+void backward_lanes(const InT* g, const float* x, const float* scale, float* gx, int64_t lo,
+                    int64_t hi, int64_t L, int d, int64_t D, float c, Load load) {
+    // Work items: blocks of LANES rows, numbered over all entries.
+    const int64_t per_entry = (L + LANES - 1) / LANES;
+    for (int64_t item = lo; item < hi; ++item) {
+        const int64_t e = item / per_entry, l0 = (item % per_entry) * LANES;
+        const int w = int(L - l0 < LANES ? L - l0 : LANES);
+        const InT* ge = g + e * D * L;
+        const float* xe = x + e * L * d;
+        float* gxe = gx + e * L * d;
+        if (w == LANES)
+            backward_block<true>(ge, xe, scale, gxe, L, l0, w, d, D, c, load);
+        else
+            backward_block<false>(ge, xe, scale, gxe, L, l0, w, d, D, c, load);
+    }
+}
+
 }  // namespace
 
 #define DISPATCH(fn, ...)                                        \
@@ -187,6 +255,28 @@ int maclaurin2_forward(const float* x, const float* scale, void* out, int64_t ro
         auto store = [](float v) { return v; };
         parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
             DISPATCH(forward_rows, x, scale, o, lo, hi, d, D, c, store);
+        });
+    }
+    return 0;
+}
+
+int maclaurin2_backward_lanes(const void* g, const float* x, const float* scale, float* gx,
+                              int64_t entries, int64_t L, int d, int bf16, int threads) {
+    if (d > 1024) return 1;
+    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
+    const float c = float(__builtin_pow(double(d), -0.25));
+    const int64_t items = entries * ((L + LANES - 1) / LANES);
+    if (bf16) {
+        auto* gg = static_cast<const uint16_t*>(g);
+        auto load = [](uint16_t v) { return from_bf16(v); };
+        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
+            backward_lanes(gg, x, scale, gx, lo, hi, L, d, D, c, load);
+        });
+    } else {
+        auto* gg = static_cast<const float*>(g);
+        auto load = [](float v) { return v; };
+        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
+            backward_lanes(gg, x, scale, gx, lo, hi, L, d, D, c, load);
         });
     }
     return 0;
@@ -263,11 +353,15 @@ def library(compiler: str) -> ctypes.CDLL:
                 )
             os.replace(lib, path)  # atomic: processes building at once each land a whole file
     lib = ctypes.CDLL(str(path))
-    for name in ("maclaurin2_forward", "maclaurin2_backward"):
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    signatures = {
+        "maclaurin2_forward": [ptr] * 3 + [i64] + [i32] * 3,
+        "maclaurin2_backward": [ptr] * 4 + [i64] + [i32] * 3,
+        "maclaurin2_backward_lanes": [ptr] * 4 + [i64, i64] + [i32] * 3,
+    }
+    for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-    lib.maclaurin2_forward.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_int] * 3
-    lib.maclaurin2_backward.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 3
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
 
 
@@ -299,16 +393,17 @@ class NativeMaclaurinMap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, scale = ctx.saved_tensors
-        d = x.shape[-1]
-        g = g.contiguous()
-        bf16 = g.dtype == torch.bfloat16
-        if not bf16 and g.dtype != torch.float32:
-            g = g.float()
+        d, L = x.shape[-1], x.shape[-2]
+        lib, threads = library(ctx.compiler), torch.get_num_threads()
+        bf16 = int(g.dtype == torch.bfloat16)
         gx = torch.empty_like(x)
-        rows, threads = x.numel() // d, torch.get_num_threads()
-        backward = library(ctx.compiler).maclaurin2_backward
-        _check(backward(g.data_ptr(), x.data_ptr(), scale.data_ptr(), gx.data_ptr(), rows, d,
-                        int(bf16), threads))  # fmt: skip
+        if g.transpose(-1, -2).is_contiguous() and not g.is_contiguous():
+            # Feature-major, as φ(k)ᵀ[v, 1]'s backward leaves it: read in place.
+            backward, shape = lib.maclaurin2_backward_lanes, (x.numel() // (d * L), L)
+        else:
+            g, backward, shape = g.contiguous(), lib.maclaurin2_backward, (x.numel() // d,)
+        pointers = (g.data_ptr(), x.data_ptr(), scale.data_ptr(), gx.data_ptr())
+        _check(backward(*pointers, *shape, d, bf16, threads))
         return gx, None, None, None
 
 

@@ -44,15 +44,25 @@ def test_rows_are_the_eager_maps_bit_for_bit(d, dtype):
     assert torch.equal(native.nan_to_num(), eager.nan_to_num())
 
 
+def _feature_major(t):
+    """The same values stored (..., D', L) contiguous, as φ(k)ᵀ[v, 1]'s backward leaves them."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 @pytest.mark.parametrize("d", [8, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gradient_within_float32_rounding_of_the_exact_one(d, dtype):
+@pytest.mark.parametrize("layout", ["row_major", "feature_major"])
+def test_gradient_within_float32_rounding_of_the_exact_one(d, dtype, layout):
     """Each entry of ∂x sums d + 2 terms g'·x̂ (g' = g·s), each from two or three float32
     products, scaled by d^(-1/4): within γ_{2d+8}·Σ|terms| of the float64 gradient of the same
-    (rounded) g, in any order of summation. Σ|terms| is that gradient at |x|, |g|."""
+    (rounded) g, in any order of summation. Σ|terms| is that gradient at |x|, |g|. Both
+    layouts of g: rows (q's gradient) and features-major (k's, read in place by the kernel
+    for blocks of rows; 50 rows: a full block and a part)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 50, d, generator=gen)
     grad = torch.randn(2, 3, 50, 1 + d + d * (d + 1) // 2, generator=gen).to(dtype)
+    if layout == "feature_major":
+        grad = _feature_major(grad)
     xn = x.clone().requires_grad_()
     (native,) = torch.autograd.grad(native_maclaurin_rows(xn, _scale(d), dtype, CXX), xn, grad)
     x64 = x.double().requires_grad_()
@@ -68,15 +78,19 @@ def test_gradient_within_float32_rounding_of_the_exact_one(d, dtype):
     assert err.max() > 0  # float32, not float64: the bound is not met vacuously
 
 
-def test_same_bits_on_any_thread_count():
+@pytest.mark.parametrize("layout", ["row_major", "feature_major"])
+def test_same_bits_on_any_thread_count(layout):
     x = torch.randn(4, 2, 301, 32).requires_grad_()
+    grad = torch.randn(4, 2, 301, 561).bfloat16()
+    if layout == "feature_major":
+        grad = _feature_major(grad)
     threads = torch.get_num_threads()
     results = []
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
             rows = native_maclaurin_rows(x, _scale(32), torch.bfloat16, CXX)
-            (gx,) = torch.autograd.grad(rows, x, torch.ones_like(rows))
+            (gx,) = torch.autograd.grad(rows, x, grad)
             results.append((rows, gx))
     finally:
         torch.set_num_threads(threads)
