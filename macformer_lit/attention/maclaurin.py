@@ -144,16 +144,17 @@ class MaclaurinAttention(FeatureAttention):
         float32; wider (a float64 model, the float64 references) stays as it is."""
         return FEATURE_DTYPES[self.feature_dtype] if dtype == torch.float32 else dtype
 
-    def _map(self, x):
+    def _map(self, x, keys: bool = False):
         """φ rows (B, H, ..., D', L) of x (B, H, ..., L, d); x is float32 or float64 (the
-        attention computes in ``promote_types(dtype, float32)``)."""
+        attention computes in ``promote_types(dtype, float32)``). ``keys``: the native map
+        stores them (D', L) contiguous, the operand layout of φ(k)ᵀ[v, 1]'s GEMM."""
         if x.dtype == torch.float64:  # float64 models and the references: the eager map
             rows = maclaurin_rows
         elif self.native_map and x.device.type == "cpu" and not torch.compiler.is_compiling():
             # (Under torch.compile inductor fuses the map itself: ctypes calls would break
             # the graph.)
-            phi = native_maclaurin_rows(x, self._scale, self._rows_dtype(x.dtype), cxx_compiler())
-            return phi.transpose(-1, -2)
+            dtype, cxx = self._rows_dtype(x.dtype), cxx_compiler()
+            return native_maclaurin_rows(x, self._scale, dtype, cxx, keys).transpose(-1, -2)
         elif self.compile_map:
             rows = compiled_maclaurin_rows()
         else:
@@ -162,7 +163,7 @@ class MaclaurinAttention(FeatureAttention):
         return phi.transpose(-1, -2)
 
     def _key_features(self, k, keep, floor):
-        return KeyFeatures(self._map(k), None)
+        return KeyFeatures(self._map(k, keys=True), None)
 
     def _query_features(self, q, ref):
         return QueryFeatures(self._map(q), None)

@@ -159,11 +159,63 @@ void backward_rows(const InT* g, const float* x, const float* scale, float* gx, 
     }
 }
 
+constexpr int LANES = 32;
+
+// The forward written feature-major, (entries, D', L) contiguous: the layout in which
+// φ(k) enters φ(k)ᵀ[v, 1] as a row-major operand. LANES rows side by side, as below.
+template <bool FULL, typename OutT, typename Store>
+void forward_block(const float* x, const float* scale, OutT* out, int64_t L, int64_t l0,
+                   int w, int d, float c, Store store) {
+    float xt[1024][LANES];
+    const int W = FULL ? LANES : w;
+    for (int a = 0; a < d; ++a)
+        for (int i = 0; i < LANES; ++i) xt[a][i] = i < W ? x[(l0 + i) * d + a] * c : 0.0f;
+    auto put = [&](int64_t f, const float* v) {
+        OutT* of = out + f * L + l0;
+        if (FULL) {
+            for (int i = 0; i < LANES; ++i) of[i] = store(v[i]);
+        } else {
+            for (int i = 0; i < W; ++i) of[i] = store(v[i]);
+        }
+    };
+    float t[LANES];
+    for (int i = 0; i < LANES; ++i) t[i] = 1.0f * scale[0];
+    put(0, t);
+    for (int a = 0; a < d; ++a) {
+        for (int i = 0; i < LANES; ++i) t[i] = xt[a][i] * scale[1 + a];
+        put(1 + a, t);
+    }
+    int64_t f = 1 + d;
+    for (int a = 0; a < d; ++a)
+        for (int b = a; b < d; ++b, ++f) {
+            const float* __restrict__ x_a = xt[a];
+            const float* __restrict__ x_b = xt[b];
+            const float s = scale[f];
+            for (int i = 0; i < LANES; ++i) t[i] = (x_a[i] * x_b[i]) * s;
+            put(f, t);
+        }
+}
+
+template <typename OutT, typename Store>
+void forward_lanes(const float* x, const float* scale, OutT* out, int64_t lo, int64_t hi,
+                   int64_t L, int d, int64_t D, float c, Store store) {
+    const int64_t per_entry = (L + LANES - 1) / LANES;
+    for (int64_t item = lo; item < hi; ++item) {
+        const int64_t e = item / per_entry, l0 = (item % per_entry) * LANES;
+        const int w = int(L - l0 < LANES ? L - l0 : LANES);
+        const float* xe = x + e * L * d;
+        OutT* oe = out + e * D * L;
+        if (w == LANES)
+            forward_block<true>(xe, scale, oe, L, l0, w, d, c, store);
+        else
+            forward_block<false>(xe, scale, oe, L, l0, w, d, c, store);
+    }
+}
+
 // The backward for a gradient stored feature-major, (entries, D', L) contiguous, as the
 // product φ(k)ᵀ[v, 1] returns φ(k)'s: LANES consecutive rows of an entry side by side, so
 // every operation is the same on each lane and the compiler vectorises across rows. x is
 // (entries, L, d) row-major; each block of rows is transposed into xt (d × LANES) first.
-constexpr int LANES = 32;
 
 template <bool FULL, typename InT, typename Load>
 void backward_block(const InT* g, const float* x, const float* scale, float* gx, int64_t L,
@@ -255,6 +307,28 @@ int maclaurin2_forward(const float* x, const float* scale, void* out, int64_t ro
         auto store = [](float v) { return v; };
         parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
             DISPATCH(forward_rows, x, scale, o, lo, hi, d, D, c, store);
+        });
+    }
+    return 0;
+}
+
+int maclaurin2_forward_lanes(const float* x, const float* scale, void* out, int64_t entries,
+                             int64_t L, int d, int bf16, int threads) {
+    if (d > 1024) return 1;
+    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
+    const float c = float(__builtin_pow(double(d), -0.25));
+    const int64_t items = entries * ((L + LANES - 1) / LANES);
+    if (bf16) {
+        auto* o = static_cast<uint16_t*>(out);
+        auto store = [](float v) { return to_bf16(v); };
+        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
+            forward_lanes(x, scale, o, lo, hi, L, d, D, c, store);
+        });
+    } else {
+        auto* o = static_cast<float*>(out);
+        auto store = [](float v) { return v; };
+        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
+            forward_lanes(x, scale, o, lo, hi, L, d, D, c, store);
         });
     }
     return 0;
@@ -356,6 +430,7 @@ def library(compiler: str) -> ctypes.CDLL:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
         "maclaurin2_forward": [ptr] * 3 + [i64] + [i32] * 3,
+        "maclaurin2_forward_lanes": [ptr] * 3 + [i64, i64] + [i32] * 3,
         "maclaurin2_backward": [ptr] * 4 + [i64] + [i32] * 3,
         "maclaurin2_backward_lanes": [ptr] * 4 + [i64, i64] + [i32] * 3,
     }
@@ -376,19 +451,23 @@ class NativeMaclaurinMap(torch.autograd.Function):
     constant buffer)."""
 
     @staticmethod
-    def forward(ctx, x, scale, out_dtype, compiler):
+    def forward(ctx, x, scale, out_dtype, compiler, feature_major):
         x = x.contiguous()
-        d = x.shape[-1]
+        d, L = x.shape[-1], x.shape[-2]
         D = 1 + d + d * (d + 1) // 2
-        out = torch.empty(*x.shape[:-1], D, dtype=out_dtype)
-        lib = library(compiler)
+        lib, threads = library(compiler), torch.get_num_threads()
         bf16 = int(out_dtype == torch.bfloat16)
-        rows, threads = x.numel() // d, torch.get_num_threads()
-        _check(lib.maclaurin2_forward(x.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, d,
-                                      bf16, threads))  # fmt: skip
+        if feature_major:
+            out = torch.empty(*x.shape[:-2], D, L, dtype=out_dtype)
+            forward, shape = lib.maclaurin2_forward_lanes, (x.numel() // (d * L), L)
+        else:
+            out = torch.empty(*x.shape[:-1], D, dtype=out_dtype)
+            forward, shape = lib.maclaurin2_forward, (x.numel() // d,)
+        _check(forward(x.data_ptr(), scale.data_ptr(), out.data_ptr(), *shape, d, bf16, threads))
         ctx.save_for_backward(x, scale)
         ctx.compiler = compiler
-        return out
+        # (..., L, D') either way: a feature-major result is the transpose of its storage.
+        return out.transpose(-1, -2) if feature_major else out
 
     @staticmethod
     def backward(ctx, g):
@@ -404,9 +483,14 @@ class NativeMaclaurinMap(torch.autograd.Function):
             g, backward, shape = g.contiguous(), lib.maclaurin2_backward, (x.numel() // d,)
         pointers = (g.data_ptr(), x.data_ptr(), scale.data_ptr(), gx.data_ptr())
         _check(backward(*pointers, *shape, d, bf16, threads))
-        return gx, None, None, None
+        return gx, None, None, None, None
 
 
-def native_maclaurin_rows(x, scale, out_dtype: torch.dtype, compiler: str) -> torch.Tensor:
-    """The degree-2 rows of ``maclaurin.maclaurin_rows`` from the native kernel."""
-    return NativeMaclaurinMap.apply(x, scale.float().contiguous(), out_dtype, compiler)
+def native_maclaurin_rows(
+    x, scale, out_dtype: torch.dtype, compiler: str, feature_major: bool = False
+) -> torch.Tensor:
+    """The degree-2 rows (..., L, D') of ``maclaurin.maclaurin_rows`` from the native kernel;
+    ``feature_major``: stored (..., D', L) contiguous (the result is that storage's transpose),
+    as φ(k)ᵀ[v, 1] reads φ(k) fastest."""
+    scale = scale.float().contiguous()
+    return NativeMaclaurinMap.apply(x, scale, out_dtype, compiler, feature_major)

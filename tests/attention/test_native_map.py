@@ -28,18 +28,21 @@ def _scale(d):
     return build_attention("maclaurin", head_dim=d, num_heads=1)._scale
 
 
-# 8 and 48: the loop for any head size; 16, 32, 64: the compiled-in sizes.
+# 8 and 48: the loop for any head size; 16, 32, 64: the compiled-in sizes. Feature-major:
+# 37 rows, a block of 32 and a part.
 @pytest.mark.parametrize("d", [8, 16, 32, 48, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_rows_are_the_eager_maps_bit_for_bit(d, dtype):
+@pytest.mark.parametrize("feature_major", [False, True], ids=["rows", "feature_major"])
+def test_rows_are_the_eager_maps_bit_for_bit(d, dtype, feature_major):
     g = torch.Generator().manual_seed(d)
     # Non-contiguous input; large and tiny entries (bfloat16's rounding at both ends), a NaN.
     x = torch.randn(3, 37, 2, d, generator=g).transpose(1, 2) * 3
     x[0, 0, 0, :2] = torch.tensor([1e-30, 3e20])
     x[2, 1, 5, 3] = float("nan")
-    native = native_maclaurin_rows(x, _scale(d), dtype, CXX)
+    native = native_maclaurin_rows(x, _scale(d), dtype, CXX, feature_major)
     eager = maclaurin_rows(x, _scale(d), 2, dtype)
     assert native.dtype == dtype and native.shape == eager.shape
+    assert (native.transpose(-1, -2) if feature_major else native).is_contiguous()
     assert torch.equal(native.isnan(), eager.isnan())
     assert torch.equal(native.nan_to_num(), eager.nan_to_num())
 
