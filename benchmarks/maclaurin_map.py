@@ -10,7 +10,9 @@ of about this size on a CPU):
    stored row-major) and ``native_keys`` (stored feature-major, as the backend stores φ(k);
    its gradient arrives feature-major as φ(k)ᵀ[v, 1]'s backward leaves it).
 2. The two products φ(q)ᵀ[φ(k)ᵀ v1] in bfloat16 with e = d + 1 columns as they are and padded
-   with zero columns to a multiple of 16 (``feature_attention.PAD_COLUMNS``).
+   with zero columns to a multiple of 16 (a loaded machine's timing of the forward GEMMs
+   suggested 1.5-2x for 33 columns against 48; measured idle, forward and backward, the
+   padding gained nothing: results/maclaurin_map_6f2dd31.md, so the backend does not pad).
 3. The attention call of ``macformer_wide_fast`` (degree-2 features in ppSBN, bfloat16 rows,
    under bf16 autocast) with the compiled map and with the native map, beside torch SDPA
    softmax in fp32 (the ratio's base) and under bf16 autocast.
@@ -36,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from macformer_lit.attention import build_attention
-from macformer_lit.attention.feature_attention import PAD_COLUMNS
 from macformer_lit.attention.maclaurin import compiled_maclaurin_rows, maclaurin_rows
 from macformer_lit.attention.native_map import native_maclaurin_rows
 
@@ -91,7 +92,7 @@ def product_cases(args, gen):
         return call
 
     e = args.d + 1
-    return {f"e = {e}": run(0), f"e = {e} padded to {e + -e % PAD_COLUMNS}": run(-e % PAD_COLUMNS)}
+    return {f"e = {e}": run(0), f"e = {e} padded to {e + -e % 16}": run(-e % 16)}
 
 
 def attention_cases(args, gen):

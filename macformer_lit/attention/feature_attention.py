@@ -31,22 +31,12 @@ DENOMINATOR_POLICIES: tuple[str, ...] = get_args(Denominator)
 DenominatorFloor = Literal["per_key", "absolute"]
 
 
-# On the CPU the products' column count e = d + 1 (33 for heads of 32) is padded with zero
-# columns to a multiple of this: oneDNN's kernels took 1.5-2x longer for 33 columns than for
-# 48 (benchmarks/README.md, the degree-2 map's fast options).
-PAD_COLUMNS = 16
-
-
 def feature_products(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
     """φ(q)ᵀ[φ(k) v1]: φ (B, H, D', L), v1 (B, H, M, e) -> (B, H, N, e) in v1's dtype. The
     products run in the rows' dtype (bfloat16 rows: bfloat16 GEMMs, which accumulate in
     float32); with rows in v1's dtype the casts are no-ops."""
-    low, e = v1.to(phi_k.dtype), v1.shape[-1]
-    pad = -e % PAD_COLUMNS if v1.device.type == "cpu" else 0
-    if pad:
-        low = F.pad(low, (0, pad))
-    out = phi_q.transpose(-1, -2) @ (phi_k @ low)
-    return (out[..., :e] if pad else out).to(v1.dtype)
+    low = v1.to(phi_k.dtype)
+    return (phi_q.transpose(-1, -2) @ (phi_k @ low)).to(v1.dtype)
 
 
 def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
