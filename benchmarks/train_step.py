@@ -19,8 +19,8 @@ Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``sof
 (softmax.yaml, torch SDPA), ``macformer`` (rmfa_exp.yaml: RMFA exp + ppSBN), ``rmfa_nosbn``
 (the same without ppSBN), ``softmax_ppsbn`` (softmax_ppsbn.yaml), ``favor`` (favor.yaml),
 ``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``macformer_fast``
-(maclaurin_ppsbn_fast.yaml: the same with bf16 rows and the native map on CPUs, the compiled
-map elsewhere), ``macformer_compiled`` (the same with the compiled map on CPUs too),
+(maclaurin_ppsbn_fast.yaml: the same with bf16 rows and the compiled map),
+``macformer_native`` (the same with ``native_map: true``: the native map on CPUs),
 ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
 in the default set), and
@@ -225,13 +225,13 @@ def all_backends(config_dir: Path) -> list[Backend]:
                 "attention/linear.yaml"),
         Backend("macformer_learns", "degree-2 Maclaurin + ppSBN, temperature",
                 attention_yaml(config_dir, "maclaurin_ppsbn"), "attention/maclaurin_ppsbn.yaml"),
-        Backend("macformer_fast",
-                "degree-2 Maclaurin + ppSBN, bf16 rows, native map (CPU) / compiled map",
+        Backend("macformer_fast", "degree-2 Maclaurin + ppSBN, bf16 rows, compiled map",
                 attention_yaml(config_dir, "maclaurin_ppsbn_fast"),
                 "attention/maclaurin_ppsbn_fast.yaml"),
-        Backend("macformer_compiled", "degree-2 Maclaurin + ppSBN, bf16 rows, compiled map",
-                {**attention_yaml(config_dir, "maclaurin_ppsbn_fast"), "native_map": False},
-                "attention/maclaurin_ppsbn_fast.yaml + native_map: false"),
+        Backend("macformer_native",
+                "degree-2 Maclaurin + ppSBN, bf16 rows, native map (CPU) / compiled map",
+                {**attention_yaml(config_dir, "maclaurin_ppsbn_fast"), "native_map": True},
+                "attention/maclaurin_ppsbn_fast.yaml + native_map: true"),
         Backend("maclaurin_nosbn", "degree-2 Maclaurin, no ppSBN",
                 attention_yaml(config_dir, "maclaurin"), "attention/maclaurin.yaml"),
         Backend("release", "RMFA as released (prefix sums, row pre-SBN)",
