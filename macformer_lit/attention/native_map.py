@@ -54,6 +54,26 @@ inline float from_bf16(uint16_t h) {
     return f;
 }
 
+// The rows' element type: bfloat16 bits or float, with its conversions from and to float.
+struct Bf16 {
+    using T = uint16_t;
+    static uint16_t store(float v) { return to_bf16(v); }
+    static float load(uint16_t v) { return from_bf16(v); }
+};
+struct F32 {
+    using T = float;
+    static float store(float v) { return v; }
+    static float load(float v) { return v; }
+};
+
+template <typename Body>
+void with_rows_type(int bf16, Body body) {
+    if (bf16)
+        body(Bf16{});
+    else
+        body(F32{});
+}
+
 template <typename F>
 void parallel_rows(int64_t rows, int threads, F body) {
     if (threads <= 1 || rows < 2 * threads) {
@@ -289,91 +309,65 @@ void backward_lanes(const InT* g, const float* x, const float* scale, float* gx,
 
 extern "C" {
 
+// d^(-1/4) in float32, as x * d ** -0.25 multiplies by the double rounded to float.
+#define SIZES                                                    \
+    if (d > 1024) return 1;                                      \
+    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;          \
+    const float c = float(__builtin_pow(double(d), -0.25));
+
 int maclaurin2_forward(const float* x, const float* scale, void* out, int64_t rows, int d,
                        int bf16, int threads) {
-    if (d > 1024) return 1;
-    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
-    float c = 1.0f;
-    // c = d^(-1/4) in float32, as x * d ** -0.25 multiplies by the double rounded to float.
-    c = float(__builtin_pow(double(d), -0.25));
-    if (bf16) {
-        auto* o = static_cast<uint16_t*>(out);
-        auto store = [](float v) { return to_bf16(v); };
+    SIZES
+    with_rows_type(bf16, [&](auto e) {
+        using E = decltype(e);
+        auto* o = static_cast<typename E::T*>(out);
+        auto store = [](float v) { return E::store(v); };
         parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
             DISPATCH(forward_rows, x, scale, o, lo, hi, d, D, c, store);
         });
-    } else {
-        auto* o = static_cast<float*>(out);
-        auto store = [](float v) { return v; };
-        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
-            DISPATCH(forward_rows, x, scale, o, lo, hi, d, D, c, store);
-        });
-    }
+    });
     return 0;
 }
 
 int maclaurin2_forward_lanes(const float* x, const float* scale, void* out, int64_t entries,
                              int64_t L, int d, int bf16, int threads) {
-    if (d > 1024) return 1;
-    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
-    const float c = float(__builtin_pow(double(d), -0.25));
-    const int64_t items = entries * ((L + LANES - 1) / LANES);
-    if (bf16) {
-        auto* o = static_cast<uint16_t*>(out);
-        auto store = [](float v) { return to_bf16(v); };
-        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
+    SIZES
+    with_rows_type(bf16, [&](auto e) {
+        using E = decltype(e);
+        auto* o = static_cast<typename E::T*>(out);
+        auto store = [](float v) { return E::store(v); };
+        parallel_rows(entries * ((L + LANES - 1) / LANES), threads, [&](int64_t lo, int64_t hi) {
             forward_lanes(x, scale, o, lo, hi, L, d, D, c, store);
         });
-    } else {
-        auto* o = static_cast<float*>(out);
-        auto store = [](float v) { return v; };
-        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
-            forward_lanes(x, scale, o, lo, hi, L, d, D, c, store);
-        });
-    }
-    return 0;
-}
-
-int maclaurin2_backward_lanes(const void* g, const float* x, const float* scale, float* gx,
-                              int64_t entries, int64_t L, int d, int bf16, int threads) {
-    if (d > 1024) return 1;
-    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
-    const float c = float(__builtin_pow(double(d), -0.25));
-    const int64_t items = entries * ((L + LANES - 1) / LANES);
-    if (bf16) {
-        auto* gg = static_cast<const uint16_t*>(g);
-        auto load = [](uint16_t v) { return from_bf16(v); };
-        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
-            backward_lanes(gg, x, scale, gx, lo, hi, L, d, D, c, load);
-        });
-    } else {
-        auto* gg = static_cast<const float*>(g);
-        auto load = [](float v) { return v; };
-        parallel_rows(items, threads, [&](int64_t lo, int64_t hi) {
-            backward_lanes(gg, x, scale, gx, lo, hi, L, d, D, c, load);
-        });
-    }
+    });
     return 0;
 }
 
 int maclaurin2_backward(const void* g, const float* x, const float* scale, float* gx,
                         int64_t rows, int d, int bf16, int threads) {
-    if (d > 1024) return 1;
-    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;
-    const float c = float(__builtin_pow(double(d), -0.25));
-    if (bf16) {
-        auto* gg = static_cast<const uint16_t*>(g);
-        auto load = [](uint16_t v) { return from_bf16(v); };
+    SIZES
+    with_rows_type(bf16, [&](auto e) {
+        using E = decltype(e);
+        auto* gg = static_cast<const typename E::T*>(g);
+        auto load = [](typename E::T v) { return E::load(v); };
         parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
             DISPATCH(backward_rows, gg, x, scale, gx, lo, hi, d, D, c, load);
         });
-    } else {
-        auto* gg = static_cast<const float*>(g);
-        auto load = [](float v) { return v; };
-        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
-            DISPATCH(backward_rows, gg, x, scale, gx, lo, hi, d, D, c, load);
+    });
+    return 0;
+}
+
+int maclaurin2_backward_lanes(const void* g, const float* x, const float* scale, float* gx,
+                              int64_t entries, int64_t L, int d, int bf16, int threads) {
+    SIZES
+    with_rows_type(bf16, [&](auto e) {
+        using E = decltype(e);
+        auto* gg = static_cast<const typename E::T*>(g);
+        auto load = [](typename E::T v) { return E::load(v); };
+        parallel_rows(entries * ((L + LANES - 1) / LANES), threads, [&](int64_t lo, int64_t hi) {
+            backward_lanes(gg, x, scale, gx, lo, hi, L, d, D, c, load);
         });
-    }
+    });
     return 0;
 }
 
