@@ -284,6 +284,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has stopped; only its parent's wait is missing
 
 
+@pytest.mark.slow  # ~2 min loaded; a sweep stopped by Ctrl-C runs by default
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
 def test_a_sweep_killed_outright_stops_its_point_with_a_checkpoint(tmp_path):
     """SIGKILL (the OOM killer, kill -9) gives the sweep no chance to pass a signal on: its

@@ -361,6 +361,7 @@ def test_two_fits_started_at_once_get_their_own_folders(tmp_path):
 
 
 # ---- Ctrl-C ----------------------------------------------------------------------------
+@pytest.mark.slow  # test_interruptions.py's and test_preemption.py's signal cases run by default
 def test_ctrl_c_saves_last_checkpoint_and_prints_the_resume_command(tmp_path):
     main(["fit", *tiny(tmp_path, "--trainer.max_steps", "0", "--test_after_fit", "false")])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -64,6 +64,7 @@ def holders():
             h.kill()
 
 
+@pytest.mark.slow  # ~2 min loaded; a second sweep of a held folder stops by default
 def test_a_run_holds_its_folder_and_a_resume_beside_it_stops(
     tmp_path, monkeypatch, capsys, holders
 ):
