@@ -116,8 +116,11 @@ class MaclaurinAttention(FeatureAttention):
                 f"native_map: true takes head_dim ≤ {MAX_HEAD_DIM}; got {head_dim}: "
                 "set native_map: false"
             )
+        # The compiler found once; the library built now, so a compiler that fails says so
+        # before training.
+        self._compiler = cxx_compiler() if native_map else None
         if native_map:
-            library(cxx_compiler())  # built now: a compiler that fails says so before training
+            library(self._compiler)
         self.feature_dtype, self.compile_map = feature_dtype, compile_map
         self.native_map = native_map
         self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
@@ -153,8 +156,9 @@ class MaclaurinAttention(FeatureAttention):
         elif self.native_map and x.device.type == "cpu" and not torch.compiler.is_compiling():
             # (Under torch.compile inductor fuses the map itself: ctypes calls would break
             # the graph.)
-            dtype, cxx = self._rows_dtype(x.dtype), cxx_compiler()
-            return native_maclaurin_rows(x, self._scale, dtype, cxx, keys).transpose(-1, -2)
+            dtype = self._rows_dtype(x.dtype)
+            phi = native_maclaurin_rows(x, self._scale, dtype, self._compiler, keys)
+            return phi.transpose(-1, -2)
         elif self.compile_map:
             rows = compiled_maclaurin_rows()
         else:
