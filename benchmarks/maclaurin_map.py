@@ -13,9 +13,12 @@ of about this size on a CPU):
    with zero columns to a multiple of 16 (a loaded machine's timing of the forward GEMMs
    suggested 1.5-2x for 33 columns against 48; measured idle, forward and backward, the
    padding gained nothing: results/maclaurin_map_6f2dd31.md, so the backend does not pad).
-3. The attention call of ``macformer_wide_fast`` (degree-2 features in ppSBN, bfloat16 rows,
-   under bf16 autocast) with the compiled map and with the native map, beside torch SDPA
-   softmax in fp32 (the ratio's base) and under bf16 autocast.
+3. The maps and the two products together: the native map's bfloat16 rows and the bfloat16
+   GEMMs (what ``macformer_wide_native`` runs) against the fused float32 kernel
+   (attention/native_fused.py, ``native_fused: true``).
+4. The attention call of ``macformer_wide_fast`` (degree-2 features in ppSBN, bfloat16 rows,
+   under bf16 autocast) with the compiled map, the native map and the fused products,
+   beside torch SDPA softmax in fp32 (the ratio's base) and under bf16 autocast.
 
 Every round runs every case once in a shuffled order; the table gives each case's median
 time and the median over rounds of its time / the item's base in that round (absolute times
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention.maclaurin import compiled_maclaurin_rows, maclaurin_rows
+from macformer_lit.attention.native_fused import native_fused_products
 from macformer_lit.attention.native_map import native_maclaurin_rows
 
 try:
@@ -95,12 +99,36 @@ def product_cases(args, gen):
     return {f"e = {e}": run(0), f"e = {e} padded to {e + -e % 16}": run(-e % 16)}
 
 
+def fused_cases(args, gen):
+    """Maps and products together: q, k, [v, 1] in, [numerator, denominator] out."""
+    d = args.d
+    scale = build_attention("maclaurin", head_dim=d, num_heads=1)._scale
+    cxx = shutil.which("g++") or shutil.which("c++")
+    q, k = (torch.randn(args.b, args.h, args.n, d, generator=gen).requires_grad_() for _ in "qk")
+    v1 = torch.randn(args.b, args.h, args.n, d + 1, generator=gen).requires_grad_()
+    g = torch.randn(args.b, args.h, args.n, d + 1, generator=gen)
+
+    def unfused():
+        phi_q = native_maclaurin_rows(q, scale, torch.bfloat16, cxx)
+        phi_k = native_maclaurin_rows(k, scale, torch.bfloat16, cxx, True)
+        out = phi_q @ (phi_k.transpose(-1, -2) @ v1.bfloat16())
+        torch.autograd.grad(out, (q, k, v1), g.bfloat16())
+
+    def fused():
+        out = native_fused_products(q, k, v1, scale, cxx)
+        torch.autograd.grad(out, (q, k, v1), g)
+
+    return {"native map, bfloat16 products": unfused, "fused, float32": fused}
+
+
 def attention_cases(args, gen):
     d, H = args.d, args.h
     softmax = build_attention(dict(name="softmax", dropout=0.0), head_dim=d, num_heads=H)
     compiled = build_attention({**WIDE_FAST, "compile_map": True}, head_dim=d, num_heads=H)
     native = build_attention({**WIDE_FAST, "native_map": True}, head_dim=d, num_heads=H)
     native.load_state_dict(compiled.state_dict())
+    fused = build_attention({**WIDE_FAST, "native_fused": True}, head_dim=d, num_heads=H)
+    fused.load_state_dict(compiled.state_dict())
     q, k, v = (torch.randn(args.b, H, args.n, d, generator=gen).requires_grad_() for _ in "qkv")
     mask = torch.ones(args.b, args.n, dtype=torch.bool)
 
@@ -117,6 +145,7 @@ def attention_cases(args, gen):
         "softmax bf16": run(softmax, True),
         "macformer_wide_fast, compiled map": run(compiled, True),
         "macformer_wide_fast, native map": run(native, True),
+        "macformer_wide_fast, fused products": run(fused, True),
     }
 
 
@@ -165,6 +194,7 @@ def main(argv=None) -> None:
     items = [
         ("The map alone, bfloat16 rows, forward + backward", map_cases, "eager"),
         ("The two products, bfloat16, forward + backward", product_cases, None),
+        ("The maps and the products, forward + backward", fused_cases, None),
         ("The attention call, forward + backward", attention_cases, "softmax fp32"),
     ]
     sections = []

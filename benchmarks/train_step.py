@@ -21,6 +21,7 @@ Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``sof
 ``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``macformer_fast``
 (maclaurin_ppsbn_fast.yaml: the same with bf16 rows and the compiled map),
 ``macformer_native`` (the same with ``native_map: true``: the native map on CPUs),
+``macformer_fused`` (maclaurin_ppsbn_fused.yaml: map and products fused on CPUs),
 ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
 in the default set), and
@@ -232,6 +233,10 @@ def all_backends(config_dir: Path) -> list[Backend]:
                 "degree-2 Maclaurin + ppSBN, bf16 rows, native map (CPU) / compiled map",
                 {**attention_yaml(config_dir, "maclaurin_ppsbn_fast"), "native_map": True},
                 "attention/maclaurin_ppsbn_fast.yaml + native_map: true"),
+        Backend("macformer_fused",
+                "degree-2 Maclaurin + ppSBN, fused float32 products (CPU) / bf16 rows",
+                attention_yaml(config_dir, "maclaurin_ppsbn_fused"),
+                "attention/maclaurin_ppsbn_fused.yaml"),
         Backend("maclaurin_nosbn", "degree-2 Maclaurin, no ppSBN",
                 attention_yaml(config_dir, "maclaurin"), "attention/maclaurin.yaml"),
         Backend("release", "RMFA as released (prefix sums, row pre-SBN)",

@@ -279,16 +279,21 @@ class FeatureAttention(AttentionBackend):
                 else:
                     count = mask.cumsum(-1, dtype=ct)[:, None, :, None]  # (B, 1, N, 1)
             else:
-                keep = None if mask is None else mask[:, None, None, :]
-                phi_k, ref = self._key_features(k, keep, None)
-                phi_q, den_scale = self._query_features(q, ref)
-                out = feature_products(phi_q, phi_k, v1)  # (B, H, N, d+1)
+                out, den_scale = self._bidirectional(q, k, v1, mask)  # (B, H, N, d+1)
                 count = M if mask is None else mask.sum(-1, dtype=ct)[:, None, None, None]
 
             def visible_sums():
                 return v1.cumsum(2) if causal else v1.sum(2, keepdim=True)
 
             return self._normalise(out, count, den_scale, visible_sums).to(dtype)
+
+    def _bidirectional(self, q, k, v1, mask):
+        """(φ(q)ᵀ[φ(k)ᵀ v1], den_scale): every query over every key; padded keys are zero in
+        k and v1 (so they reach neither sum)."""
+        keep = None if mask is None else mask[:, None, None, :]
+        phi_k, ref = self._key_features(k, keep, None)
+        phi_q, den_scale = self._query_features(q, ref)
+        return feature_products(phi_q, phi_k, v1), den_scale
 
     def _causal(self, q, k, v1, mask):
         """Chunked causal pass: the sequence becomes (nc, C) before the feature map, so every

@@ -34,6 +34,8 @@ import torch
 
 from .feature_attention import FeatureAttention, KeyFeatures, QueryFeatures
 from .kernels import get_kernel
+from .native_fused import HEAD_DIMS as FUSED_HEAD_DIMS
+from .native_fused import native_fused_products
 from .native_map import MAX_HEAD_DIM, library, native_maclaurin_rows
 from .pieces import PIECE_BYTES, batch_slices
 
@@ -84,13 +86,17 @@ class MaclaurinAttention(FeatureAttention):
         feature_dtype: FeatureDtype = "float32",
         compile_map: bool = False,
         native_map: bool = False,
+        native_fused: bool = False,
         **common: Any,
     ) -> None:
         """``feature_dtype``: the dtype of the feature rows and of the two products (the
         map itself and the division compute in float32; float64 models stay float64).
         ``compile_map``: evaluate the map with ``torch.compile`` (needs a C++ compiler).
         ``native_map``: evaluate the degree-2 map of CPU tensors with the hand-written
-        kernel of native_map.py (needs a C++ compiler)."""
+        kernel of native_map.py (needs a C++ compiler). ``native_fused``: every
+        bidirectional call on CPU float32 tensors runs the map and both products in one
+        native kernel a direction (native_fused.py: the rows never reach memory, float32
+        throughout whatever ``feature_dtype`` says; head_dim 16, 32, 48 or 64)."""
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
         if degree not in (1, 2):
             raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
@@ -100,6 +106,7 @@ class MaclaurinAttention(FeatureAttention):
         for option, on, why in (
             ("compile_map", compile_map, "torch.compile"),
             ("native_map", native_map, "the native map"),
+            ("native_fused", native_fused, "the fused kernel"),
         ):
             if on and cxx_compiler() is None:
                 raise ValueError(
@@ -116,13 +123,24 @@ class MaclaurinAttention(FeatureAttention):
                 f"native_map: true takes head_dim ≤ {MAX_HEAD_DIM}; got {head_dim}: "
                 "set native_map: false"
             )
+        if native_fused and degree != 2:
+            raise ValueError(
+                "native_fused: true is the degree-2 map's fused kernel: set native_fused: false"
+            )
+        if native_fused and head_dim not in FUSED_HEAD_DIMS:
+            sizes = ", ".join(map(str, FUSED_HEAD_DIMS))
+            raise ValueError(
+                f"native_fused: true takes head_dim {sizes}; got {head_dim}: "
+                "set native_fused: false"
+            )
         # The compiler found once; the library built now, so a compiler that fails says so
         # before training.
-        self._compiler = cxx_compiler() if native_map else None
-        if native_map:
-            library(self._compiler)
+        self._compiler = cxx_compiler() if native_map or native_fused else None
+        for option, on in (("native_map", native_map), ("native_fused", native_fused)):
+            if on:
+                library(self._compiler, option)
         self.feature_dtype, self.compile_map = feature_dtype, compile_map
-        self.native_map = native_map
+        self.native_map, self.native_fused = native_map, native_fused
         self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
         self.target_kernel, self.degree = kernel, degree
         a = [self.kernel.coefficient(n) for n in range(degree + 1)]
@@ -139,7 +157,7 @@ class MaclaurinAttention(FeatureAttention):
         return (
             f"kernel={self.kernel.name}, degree={self.degree}, features={self.num_features}, "
             f"feature_dtype={self.feature_dtype}, compile_map={self.compile_map}, "
-            f"native_map={self.native_map}"
+            f"native_map={self.native_map}, native_fused={self.native_fused}"
         )
 
     def _rows_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -166,6 +184,21 @@ class MaclaurinAttention(FeatureAttention):
         phi = rows(x, self._scale.to(x.dtype), self.degree, self._rows_dtype(x.dtype))
         return phi.transpose(-1, -2)
 
+    def _fuses(self, x) -> bool:
+        """Whether a bidirectional call on x takes the fused kernel: ``native_fused`` on, a
+        CPU tensor computed in float32, not under torch.compile (ctypes breaks the graph)."""
+        return (
+            self.native_fused
+            and x.device.type == "cpu"
+            and torch.promote_types(x.dtype, torch.float32) == torch.float32
+            and not torch.compiler.is_compiling()
+        )
+
+    def _bidirectional(self, q, k, v1, mask):
+        if self._fuses(q):
+            return native_fused_products(q, k, v1, self._scale, self._compiler), None
+        return super()._bidirectional(q, k, v1, mask)
+
     def _key_features(self, k, keep, floor):
         return KeyFeatures(self._map(k, keys=True), None)
 
@@ -182,7 +215,8 @@ class MaclaurinAttention(FeatureAttention):
         rows = self._rows_dtype(torch.promote_types(q.dtype, torch.float32))
         entry = q[:1].numel() // q.shape[-1] * self.num_features * rows.itemsize
         slices = batch_slices(q, max(1, entry * PIECE_BYTES // PIECE_FEATURE_BYTES))
-        if len(slices) == 1 or self.collect_stats:
+        # The fused kernel keeps no feature rows: the whole batch at once.
+        if len(slices) == 1 or self.collect_stats or (not causal and self._fuses(q)):
             return super().attend_now(q, k, v, key_padding_mask, causal)
         step = slices[0].stop
         masks = [None] * len(slices) if key_padding_mask is None else key_padding_mask.split(step)

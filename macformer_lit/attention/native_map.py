@@ -13,9 +13,11 @@ The backward sums in another order than autograd's (float32 rounding apart); a g
 stored feature-major, as the product φ(k)ᵀ[v, 1] returns φ(k)'s, is read in place by a
 second backward that puts consecutive rows side by side in the vector lanes.
 
-The C++ source has no torch headers: it builds with the system's C++ compiler in about a
-second into a cache folder (``$MACFORMER_LIT_CACHE``, else ``$XDG_CACHE_HOME/macformer_lit``,
-else ``~/.cache/macformer_lit``), once per source, compiler and CPU, and loads with ctypes.
+The C++ sources (csrc/: the map in maclaurin2.h and maclaurin2_map.cpp, the fused products
+of native_fused.py in maclaurin2_fused.cpp) have no torch headers: they build with the
+system's C++ compiler in a few seconds into one library in a cache folder
+(``$MACFORMER_LIT_CACHE``, else ``$XDG_CACHE_HOME/macformer_lit``, else
+``~/.cache/macformer_lit``), once per source, compiler and CPU, loaded with ctypes.
 """
 
 from __future__ import annotations
@@ -31,350 +33,16 @@ from pathlib import Path
 
 import torch
 
-SOURCE = r"""
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <vector>
+CSRC = Path(__file__).resolve().parent / "csrc"
+# The sources of the library: the map (maclaurin2.h, maclaurin2_map.cpp) and the fused
+# attention's products (maclaurin2_fused.cpp, native_fused.py).
+SOURCES = ("maclaurin2.h", "maclaurin2_map.cpp", "maclaurin2_fused.cpp")
 
-namespace {
-
-inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    // NaN stays a quiet NaN; everything else rounds to nearest even (c10::BFloat16's rule).
-    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(rounded);
-}
-
-inline float from_bf16(uint16_t h) {
-    uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-// The rows' element type: bfloat16 bits or float, with its conversions from and to float.
-struct Bf16 {
-    using T = uint16_t;
-    static uint16_t store(float v) { return to_bf16(v); }
-    static float load(uint16_t v) { return from_bf16(v); }
-};
-struct F32 {
-    using T = float;
-    static float store(float v) { return v; }
-    static float load(float v) { return v; }
-};
-
-template <typename Body>
-void with_rows_type(int bf16, Body body) {
-    if (bf16)
-        body(Bf16{});
-    else
-        body(F32{});
-}
-
-template <typename F>
-void parallel_rows(int64_t rows, int threads, F body) {
-    if (threads <= 1 || rows < 2 * threads) {
-        body(int64_t(0), rows);
-        return;
-    }
-    std::vector<std::thread> pool;
-    int64_t step = (rows + threads - 1) / threads;
-    for (int t = 1; t < threads; ++t) {
-        int64_t lo = t * step, hi = lo + step < rows ? lo + step : rows;
-        if (lo < hi) pool.emplace_back(body, lo, hi);
-    }
-    body(int64_t(0), step < rows ? step : rows);
-    for (auto& th : pool) th.join();
-}
-
-// One row: x (d) -> out (D' = 1 + d + d(d+1)/2) in OutT (float or bf16 bits).
-// Row a of the upper triangle (x_a·x_{a..d-1}, d - a entries) starts at off_a; the window
-// of d entries that ends where it ends starts at off_a - a, and holds entries of rows < a
-// before it. With the head size d fixed at compile time (DT > 0) every loop is d long, the
-// compiler unrolls and vectorises them: the forward writes whole windows in decreasing a
-// (each window's first a entries are rewritten by the rows < a that follow), the backward
-// reads whole windows and zeroes their first a entries. DT = 0: loops over the triangle's
-// rows as they are, for any head size up to 1,024.
-template <int DT, typename OutT, typename Store>
-void forward_rows(const float* x, const float* scale, OutT* out, int64_t lo, int64_t hi,
-                  int d_, int64_t D, float c, Store store) {
-    const int d = DT > 0 ? DT : d_;
-    float xs[1024];
-    for (int64_t r = lo; r < hi; ++r) {
-        const float* xr = x + r * d;
-        OutT* o = out + r * D;
-        for (int a = 0; a < d; ++a) xs[a] = xr[a] * c;
-        o[0] = store(1.0f * scale[0]);
-        for (int a = 0; a < d; ++a) o[1 + a] = store(xs[a] * scale[1 + a]);
-        if (DT > 0) {
-            for (int a = d - 1; a >= 0; --a) {
-                const int64_t w = 1 + d + int64_t(a) * d - int64_t(a) * (a - 1) / 2 - a;
-                const float xa = xs[a];
-                OutT* oa = o + w;
-                const float* sa = scale + w;
-                for (int j = 0; j < DT; ++j) oa[j] = store((xa * xs[j]) * sa[j]);
-            }
-        } else {
-            int64_t off = 1 + d;
-            for (int a = 0; a < d; ++a) {
-                const float xa = xs[a];
-                const int n = d - a;
-                OutT* oa = o + off;
-                const float* sa = scale + off;
-                const float* xb = xs + a;
-                for (int j = 0; j < n; ++j) oa[j] = store((xa * xb[j]) * sa[j]);
-                off += n;
-            }
-        }
-    }
-}
-
-template <int DT, typename InT, typename Load>
-void backward_rows(const InT* g, const float* x, const float* scale, float* gx, int64_t lo,
-                   int64_t hi, int d_, int64_t D, float c, Load load) {
-    const int d = DT > 0 ? DT : d_;
-    float xs[1024], acc[1024], gs[1024];
-    for (int64_t r = lo; r < hi; ++r) {
-        const float* xr = x + r * d;
-        const InT* gr = g + r * D;
-        for (int a = 0; a < d; ++a) xs[a] = xr[a] * c;
-        for (int a = 0; a < d; ++a) acc[a] = load(gr[1 + a]) * scale[1 + a];
-        if (DT > 0) {
-            for (int a = 0; a < d; ++a) {
-                const int64_t w = 1 + d + int64_t(a) * d - int64_t(a) * (a - 1) / 2 - a;
-                const InT* ga = gr + w;
-                const float* sa = scale + w;
-                // g'_ab = g_ab·s_ab for b ≥ a, 0 before: entries of other rows never reach a.
-                for (int j = 0; j < DT; ++j) gs[j] = j >= a ? load(ga[j]) * sa[j] : 0.0f;
-                // Σ_{b≥a} g'_ab x_b as a tree of halves: vector adds (a running sum is a
-                // chain the compiler may not reorder).
-                float part[DT > 0 ? DT : 1];
-                for (int j = 0; j < DT; ++j) part[j] = gs[j] * xs[j];
-                for (int h = DT / 2; h > 0; h /= 2)
-                    for (int j = 0; j < h; ++j) part[j] += part[j + h];
-                acc[a] += part[0];
-                const float xa = xs[a];
-                for (int j = 0; j < DT; ++j) acc[j] += gs[j] * xa;      // Σ_{b≤j} g'_bj x_b
-            }
-        } else {
-            int64_t off = 1 + d;
-            for (int a = 0; a < d; ++a) {
-                const int n = d - a;
-                const InT* ga = gr + off;
-                const float* sa = scale + off;
-                for (int j = 0; j < n; ++j) gs[j] = load(ga[j]) * sa[j];
-                float dot = 0.0f;
-                for (int j = 0; j < n; ++j) dot += gs[j] * xs[a + j];
-                acc[a] += dot;
-                const float xa = xs[a];
-                for (int j = 0; j < n; ++j) acc[a + j] += gs[j] * xa;
-                off += n;
-            }
-        }
-        float* o = gx + r * d;
-        for (int a = 0; a < d; ++a) o[a] = acc[a] * c;
-    }
-}
-
-constexpr int LANES = 32;
-
-// The forward written feature-major, (entries, D', L) contiguous: the layout in which
-// φ(k) enters φ(k)ᵀ[v, 1] as a row-major operand. LANES rows side by side, as below.
-template <bool FULL, typename OutT, typename Store>
-void forward_block(const float* x, const float* scale, OutT* out, int64_t L, int64_t l0,
-                   int w, int d, float c, Store store) {
-    float xt[1024][LANES];
-    const int W = FULL ? LANES : w;
-    for (int a = 0; a < d; ++a)
-        for (int i = 0; i < LANES; ++i) xt[a][i] = i < W ? x[(l0 + i) * d + a] * c : 0.0f;
-    auto put = [&](int64_t f, const float* v) {
-        OutT* of = out + f * L + l0;
-        if (FULL) {
-            for (int i = 0; i < LANES; ++i) of[i] = store(v[i]);
-        } else {
-            for (int i = 0; i < W; ++i) of[i] = store(v[i]);
-        }
-    };
-    float t[LANES];
-    for (int i = 0; i < LANES; ++i) t[i] = 1.0f * scale[0];
-    put(0, t);
-    for (int a = 0; a < d; ++a) {
-        for (int i = 0; i < LANES; ++i) t[i] = xt[a][i] * scale[1 + a];
-        put(1 + a, t);
-    }
-    int64_t f = 1 + d;
-    for (int a = 0; a < d; ++a)
-        for (int b = a; b < d; ++b, ++f) {
-            const float* __restrict__ x_a = xt[a];
-            const float* __restrict__ x_b = xt[b];
-            const float s = scale[f];
-            for (int i = 0; i < LANES; ++i) t[i] = (x_a[i] * x_b[i]) * s;
-            put(f, t);
-        }
-}
-
-template <typename OutT, typename Store>
-void forward_lanes(const float* x, const float* scale, OutT* out, int64_t lo, int64_t hi,
-                   int64_t L, int d, int64_t D, float c, Store store) {
-    const int64_t per_entry = (L + LANES - 1) / LANES;
-    for (int64_t item = lo; item < hi; ++item) {
-        const int64_t e = item / per_entry, l0 = (item % per_entry) * LANES;
-        const int w = int(L - l0 < LANES ? L - l0 : LANES);
-        const float* xe = x + e * L * d;
-        OutT* oe = out + e * D * L;
-        if (w == LANES)
-            forward_block<true>(xe, scale, oe, L, l0, w, d, c, store);
-        else
-            forward_block<false>(xe, scale, oe, L, l0, w, d, c, store);
-    }
-}
-
-// The backward for a gradient stored feature-major, (entries, D', L) contiguous, as the
-// product φ(k)ᵀ[v, 1] returns φ(k)'s: LANES consecutive rows of an entry side by side, so
-// every operation is the same on each lane and the compiler vectorises across rows. x is
-// (entries, L, d) row-major; each block of rows is transposed into xt (d × LANES) first.
-
-template <bool FULL, typename InT, typename Load>
-void backward_block(const InT* g, const float* x, const float* scale, float* gx, int64_t L,
-                    int64_t l0, int w, int d, int64_t D, float c, Load load) {
-    float xt[1024][LANES], acc[1024][LANES], t[LANES];
-    const int W = FULL ? LANES : w;
-    for (int a = 0; a < d; ++a)
-        for (int i = 0; i < LANES; ++i) {
-            xt[a][i] = i < W ? x[(l0 + i) * d + a] * c : 0.0f;
-            acc[a][i] = 0.0f;
-        }
-    auto row = [&](int64_t f, float* out) {
-        const InT* gf = g + f * L + l0;
-        if (FULL) {
-            for (int i = 0; i < LANES; ++i) out[i] = load(gf[i]) * scale[f];
-        } else {
-            for (int i = 0; i < LANES; ++i) out[i] = i < W ? load(gf[i]) * scale[f] : 0.0f;
-        }
-    };
-    for (int a = 0; a < d; ++a) {
-        row(1 + a, t);
-        for (int i = 0; i < LANES; ++i) acc[a][i] += t[i];
-    }
-    int64_t f = 1 + d;
-    for (int a = 0; a < d; ++a) {
-        float* __restrict__ acc_a = acc[a];
-        const float* __restrict__ x_a = xt[a];
-        row(f++, t);  // the diagonal g'_aa: 2·g'_aa·x_a
-        for (int i = 0; i < LANES; ++i) acc_a[i] += 2.0f * t[i] * x_a[i];
-        for (int b = a + 1; b < d; ++b) {
-            float* __restrict__ acc_b = acc[b];
-            const float* __restrict__ x_b = xt[b];
-            row(f++, t);  // g'_ab on every lane
-            for (int i = 0; i < LANES; ++i) {
-                acc_a[i] += t[i] * x_b[i];
-                acc_b[i] += t[i] * x_a[i];
-            }
-        }
-    }
-    for (int i = 0; i < W; ++i)
-        for (int a = 0; a < d; ++a) gx[(l0 + i) * d + a] = acc[a][i] * c;
-}
-
-template <typename InT, typename Load>
-void backward_lanes(const InT* g, const float* x, const float* scale, float* gx, int64_t lo,
-                    int64_t hi, int64_t L, int d, int64_t D, float c, Load load) {
-    // Work items: blocks of LANES rows, numbered over all entries.
-    const int64_t per_entry = (L + LANES - 1) / LANES;
-    for (int64_t item = lo; item < hi; ++item) {
-        const int64_t e = item / per_entry, l0 = (item % per_entry) * LANES;
-        const int w = int(L - l0 < LANES ? L - l0 : LANES);
-        const InT* ge = g + e * D * L;
-        const float* xe = x + e * L * d;
-        float* gxe = gx + e * L * d;
-        if (w == LANES)
-            backward_block<true>(ge, xe, scale, gxe, L, l0, w, d, D, c, load);
-        else
-            backward_block<false>(ge, xe, scale, gxe, L, l0, w, d, D, c, load);
-    }
-}
-
-}  // namespace
-
-#define DISPATCH(fn, ...)                                        \
-    switch (d) {                                                 \
-        case 16: fn<16>(__VA_ARGS__); break;                     \
-        case 32: fn<32>(__VA_ARGS__); break;                     \
-        case 64: fn<64>(__VA_ARGS__); break;                     \
-        default: fn<0>(__VA_ARGS__);                             \
-    }
-
-extern "C" {
-
-// d^(-1/4) in float32, as x * d ** -0.25 multiplies by the double rounded to float.
-#define SIZES                                                    \
-    if (d > 1024) return 1;                                      \
-    const int64_t D = 1 + d + int64_t(d) * (d + 1) / 2;          \
-    const float c = float(__builtin_pow(double(d), -0.25));
-
-int maclaurin2_forward(const float* x, const float* scale, void* out, int64_t rows, int d,
-                       int bf16, int threads) {
-    SIZES
-    with_rows_type(bf16, [&](auto e) {
-        using E = decltype(e);
-        auto* o = static_cast<typename E::T*>(out);
-        auto store = [](float v) { return E::store(v); };
-        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
-            DISPATCH(forward_rows, x, scale, o, lo, hi, d, D, c, store);
-        });
-    });
-    return 0;
-}
-
-int maclaurin2_forward_lanes(const float* x, const float* scale, void* out, int64_t entries,
-                             int64_t L, int d, int bf16, int threads) {
-    SIZES
-    with_rows_type(bf16, [&](auto e) {
-        using E = decltype(e);
-        auto* o = static_cast<typename E::T*>(out);
-        auto store = [](float v) { return E::store(v); };
-        parallel_rows(entries * ((L + LANES - 1) / LANES), threads, [&](int64_t lo, int64_t hi) {
-            forward_lanes(x, scale, o, lo, hi, L, d, D, c, store);
-        });
-    });
-    return 0;
-}
-
-int maclaurin2_backward(const void* g, const float* x, const float* scale, float* gx,
-                        int64_t rows, int d, int bf16, int threads) {
-    SIZES
-    with_rows_type(bf16, [&](auto e) {
-        using E = decltype(e);
-        auto* gg = static_cast<const typename E::T*>(g);
-        auto load = [](typename E::T v) { return E::load(v); };
-        parallel_rows(rows, threads, [&](int64_t lo, int64_t hi) {
-            DISPATCH(backward_rows, gg, x, scale, gx, lo, hi, d, D, c, load);
-        });
-    });
-    return 0;
-}
-
-int maclaurin2_backward_lanes(const void* g, const float* x, const float* scale, float* gx,
-                              int64_t entries, int64_t L, int d, int bf16, int threads) {
-    SIZES
-    with_rows_type(bf16, [&](auto e) {
-        using E = decltype(e);
-        auto* gg = static_cast<const typename E::T*>(g);
-        auto load = [](typename E::T v) { return E::load(v); };
-        parallel_rows(entries * ((L + LANES - 1) / LANES), threads, [&](int64_t lo, int64_t hi) {
-            backward_lanes(gg, x, scale, gx, lo, hi, L, d, D, c, load);
-        });
-    });
-    return 0;
-}
-
-}
-"""
-
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-pthread"]
+# -ffp-contract=fast: the fused products' a·b + c as one FMA (the map's forward multiplies
+# only, so its rows are the same bits either way).
+FLAGS = [
+    "-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17", "-pthread"
+]  # fmt: skip
 MAX_HEAD_DIM = 1024
 
 
@@ -397,28 +65,49 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def source_text() -> str:
+    """The library's sources, concatenated: what its cache key hashes."""
+    return "\0".join((CSRC / name).read_text() for name in SOURCES)
+
+
+def library(compiler: str, option: str = "native_map") -> ctypes.CDLL:
+    """The kernel library, built on first use (once per source, compiler and CPU); a build
+    that cannot happen is refused in one line naming ``option``, the switch that asked."""
+    try:
+        return _library(compiler)
+    except _BuildError as err:
+        raise ValueError(f"{option}: true: {err}: set {option}: false") from None
+
+
+class _BuildError(Exception):
+    pass
+
+
 @functools.cache
-def library(compiler: str) -> ctypes.CDLL:
-    """Build (once per source, compiler and CPU) and load the kernel library."""
+def _library(compiler: str) -> ctypes.CDLL:
     key = hashlib.sha256(
-        "\0".join([SOURCE, compiler, " ".join(FLAGS), _cpu_flags()]).encode()
+        "\0".join([source_text(), compiler, " ".join(FLAGS), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     path = cache_dir() / f"maclaurin_map_{key}.so"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, lib = Path(tmp) / "map.cpp", Path(tmp) / "map.so"
-            src.write_text(SOURCE)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.TemporaryDirectory(dir=path.parent)
+        except OSError as err:
+            raise _BuildError(
+                f"cannot write the kernel's cache folder {path.parent} ({err.strerror}); "
+                "point $MACFORMER_LIT_CACHE at a writable folder"
+            ) from None
+        with tmp:
+            lib = Path(tmp.name) / "map.so"
+            units = [str(CSRC / name) for name in SOURCES if name.endswith(".cpp")]
             done = subprocess.run(
-                [compiler, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True
+                [compiler, *FLAGS, *units, "-o", str(lib)], capture_output=True, text=True
             )
             if done.returncode != 0:
                 errors = [line for line in done.stderr.splitlines() if "error" in line]
-                raise ValueError(
-                    f"native_map: true: {compiler} could not build the kernel "
-                    f"({(errors or done.stderr.splitlines() or ['no message'])[0].strip()}): "
-                    "set native_map: false"
-                )
+                first = (errors or done.stderr.splitlines() or ["no message"])[0].strip()
+                raise _BuildError(f"{compiler} could not build the kernel ({first})")
             os.replace(lib, path)  # atomic: processes building at once each land a whole file
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -427,6 +116,9 @@ def library(compiler: str) -> ctypes.CDLL:
         "maclaurin2_forward_lanes": [ptr] * 3 + [i64, i64] + [i32] * 3,
         "maclaurin2_backward": [ptr] * 4 + [i64] + [i32] * 3,
         "maclaurin2_backward_lanes": [ptr] * 4 + [i64, i64] + [i32] * 3,
+        "maclaurin2_state": [ptr] * 4 + [i64, i64] + [i32] * 2,
+        "maclaurin2_apply": [ptr] * 4 + [i64, i64] + [i32] * 2,
+        "maclaurin2_pullback": [ptr] * 5 + [i64, i64] + [i32] * 2,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

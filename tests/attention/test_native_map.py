@@ -11,7 +11,7 @@ import torch
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention.maclaurin import maclaurin_rows
-from macformer_lit.attention.native_map import library, native_maclaurin_rows
+from macformer_lit.attention.native_map import _library, library, native_maclaurin_rows
 
 U32 = 2.0**-24
 CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
@@ -134,14 +134,14 @@ def test_float64_takes_the_eager_map():
 def test_cache_folder(tmp_path, monkeypatch):
     """The library is built into $MACFORMER_LIT_CACHE, one file per source and compiler."""
     monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path))
-    library.cache_clear()
+    _library.cache_clear()
     try:
         library(CXX)
         built = list(tmp_path.glob("maclaurin_map_*.so"))
         assert len(built) == 1 and built[0].stat().st_size > 0
         assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # no build folder left
     finally:
-        library.cache_clear()
+        _library.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -171,10 +171,25 @@ def test_a_compiler_that_fails_is_refused_in_one_line(tmp_path, monkeypatch):
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
     monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path / "cache"))
-    library.cache_clear()
+    _library.cache_clear()
     try:
         with pytest.raises(ValueError, match="could not build the kernel") as err:
             build_attention("maclaurin", head_dim=8, num_heads=1, native_map=True)
     finally:
-        library.cache_clear()
+        _library.cache_clear()
     assert "\n" not in str(err.value) and "no such target" in str(err.value)
+
+
+def test_an_unwritable_cache_folder_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A cache folder that cannot be made (here: under a plain file) says which and how to
+    point elsewhere, before any training."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(blocker / "cache"))
+    _library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="cannot write the kernel's cache folder") as err:
+            build_attention("maclaurin", head_dim=8, num_heads=1, native_map=True)
+    finally:
+        _library.cache_clear()
+    assert "\n" not in str(err.value) and "MACFORMER_LIT_CACHE" in str(err.value)

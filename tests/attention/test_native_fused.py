@@ -1,0 +1,192 @@
+"""The fused bidirectional Maclaurin products (attention/native_fused.py): within float32's
+rounding of the float64 products and of their exact gradients, the same bits on any thread
+count, no feature rows kept for the backward, the attention it serves equal to the unfused
+float32 one (causal calls and float64 untouched), and the bad combinations refused."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from macformer_lit.attention import build_attention
+from macformer_lit.attention.maclaurin import maclaurin_rows
+from macformer_lit.attention.native_fused import native_fused_products
+
+U32 = 2.0**-24
+CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    """Build into a folder of the test session, not the user's cache."""
+    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
+
+
+def _scale(d):
+    return build_attention("maclaurin", head_dim=d, num_heads=1)._scale
+
+
+def _products(q, k, v1, scale):
+    """φ(q)ᵀ[φ(k)ᵀ v1] from the eager map, in q's dtype."""
+    phi_q = maclaurin_rows(q, scale.to(q.dtype), 2, q.dtype)
+    phi_k = maclaurin_rows(k, scale.to(q.dtype), 2, q.dtype)
+    return phi_q @ (phi_k.transpose(-1, -2) @ v1)
+
+
+def _gamma(n):
+    return n * U32 / (1 - n * U32)
+
+
+# 16, 32, 48, 64: every head size the kernel has. N = 37 and M = 70: one tile of 32 and a
+# part, three tiles with the last a part; the row blocks' remainders too.
+@pytest.mark.parametrize("d", [16, 32, 48, 64])
+def test_products_and_gradients_within_float32_rounding(d):
+    """Every entry of the products and of the three gradients is a sum of products of float32
+    roundings of the same float64 terms: the feature entries (at most 3 roundings each), the
+    state's sum over M keys, the apply's over D' features, the pullback's over d + 1 columns
+    and its map backward's over 2d + 8 (test_native_map.py), so within γ_K·Σ|terms| with
+    K = max(N, M) + D' + 3(d + 1) + 16 rounding steps on the longest path. Σ|terms| is the same
+    expression at |q|, |k|, |v1|, |∂out| (every term is a product with non-negative scales)."""
+    gen = torch.Generator().manual_seed(d)
+    N, M = 37, 70
+    q, k = torch.randn(2, 3, N, d, generator=gen), torch.randn(2, 3, M, d, generator=gen)
+    v1, g = torch.randn(2, 3, M, d + 1, generator=gen), torch.randn(2, 3, N, d + 1, generator=gen)
+    scale = _scale(d)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v1)]
+    fused = native_fused_products(*leaves, scale, CXX)
+    fused_grads = torch.autograd.grad(fused, leaves, g)
+    exact64 = [t.double().requires_grad_() for t in (q, k, v1)]
+    exact = _products(*exact64, scale.double())
+    exact_grads = torch.autograd.grad(exact, exact64, g.double())
+    size64 = [t.double().abs().requires_grad_() for t in (q, k, v1)]
+    size = _products(*size64, scale.double())
+    size_grads = torch.autograd.grad(size, size64, g.double().abs())
+    D = 1 + d + d * (d + 1) // 2
+    bound = _gamma(max(N, M) + D + 3 * (d + 1) + 16)
+    for name, a, b, s in zip(
+        ["out", "∂q", "∂k", "∂v1"],
+        [fused, *fused_grads],
+        [exact, *exact_grads],
+        [size, *size_grads],
+    ):
+        err = (a.double() - b).abs()
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert (err <= bound * s).all(), (name, float((err / (bound * s)).max()))
+        assert err.max() > 0, name  # float32, not float64: the bound is not met vacuously
+
+
+def test_same_bits_on_any_thread_count():
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(3, 2, 101, 32, generator=gen), torch.randn(3, 2, 77, 32, generator=gen)
+    v1, g = torch.randn(3, 2, 77, 33, generator=gen), torch.randn(3, 2, 101, 33, generator=gen)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v1)]
+            out = native_fused_products(*leaves, _scale(32), CXX)
+            results.append((out, *torch.autograd.grad(out, leaves, g)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _saved(fn):
+    """Bytes of each tensor autograd keeps for the backward of fn()."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sizes
+
+
+def test_no_feature_rows_kept_for_the_backward():
+    """The rows are built again in the backward: no tensor the attention keeps is as large as
+    one side's feature rows (N·D' floats a head), and all it keeps together are less than the
+    rows of q and k that the unfused attention keeps (with its other tensors)."""
+    spec = dict(name="maclaurin", pre_sbn=True, post_sbn=True, temperature_max=32.0)
+    unfused = build_attention(spec, head_dim=32, num_heads=2)
+    fused = build_attention({**spec, "native_fused": True}, head_dim=32, num_heads=2)
+    q, k, v = (torch.randn(2, 2, 512, 32, requires_grad=True) for _ in "qkv")
+    one_side = 2 * 2 * 512 * 561 * 4
+    kept_unfused = _saved(lambda: unfused(q, k, v))
+    kept_fused = _saved(lambda: fused(q, k, v))
+    assert sum(kept_unfused) > 2 * one_side
+    assert max(kept_fused) < one_side and sum(kept_fused) < 2 * one_side, kept_fused
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_attention_equals_the_unfused_float32_one(causal):
+    """In ppSBN with padding: bidirectional, the fused products agree with the float32 GEMMs
+    to float32 rounding; causal calls do not take the fused kernel (the same bits)."""
+    spec = dict(name="maclaurin", pre_sbn=True, post_sbn=True, temperature_max=32.0)
+    unfused = build_attention(spec, head_dim=32, num_heads=2)
+    fused = build_attention({**spec, "native_fused": True}, head_dim=32, num_heads=2)
+    fused.load_state_dict(unfused.state_dict())
+    g = torch.Generator().manual_seed(3)
+    q0, k0, v0 = (torch.randn(2, 2, 90, 32, generator=g) for _ in "qkv")
+    mask = torch.ones(2, 90, dtype=torch.bool)
+    mask[1, 60:] = False
+    results = []
+    for attn in (unfused, fused):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = attn(q, k, v, key_padding_mask=mask, causal=causal)
+        (out * mask[:, None, :, None]).square().sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    for a, b in zip(*results):
+        if causal:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_autocast_computes_in_float32():
+    """Under bf16 autocast the attention computes in float32 (attend_now casts up), so the
+    fused kernel serves it and ``feature_dtype`` does not apply: the same bits as float32
+    inputs cast from the same bfloat16 values."""
+    attn = build_attention(
+        dict(name="maclaurin", feature_dtype="bfloat16", native_fused=True),
+        head_dim=16, num_heads=2,
+    )  # fmt: skip
+    q, k, v = (torch.randn(1, 2, 40, 16).bfloat16() for _ in "qkv")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = attn(q, k, v)
+    assert low.dtype == torch.bfloat16
+    assert torch.equal(low, attn(q.float(), k.float(), v.float()).bfloat16())
+
+
+def test_float64_takes_the_unfused_products():
+    spec = dict(name="maclaurin", native_fused=True)
+    attn = build_attention(spec, head_dim=16, num_heads=1).double()
+    ref = build_attention("maclaurin", head_dim=16, num_heads=1).double()
+    q, k, v = (torch.randn(1, 1, 20, 16, dtype=torch.float64) for _ in "qkv")
+    assert torch.equal(attn(q, k, v), ref(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(degree=1), "native_fused: true is the degree-2 map's fused kernel"),
+        (dict(head_dim=24), "native_fused: true takes head_dim 16, 32, 48, 64; got 24"),
+    ],
+)
+def test_bad_combinations_refused(options, message):
+    kwargs = dict(head_dim=16, num_heads=1, native_fused=True) | options
+    with pytest.raises(ValueError, match=message):
+        build_attention("maclaurin", **kwargs)
+
+
+def test_needs_a_cxx_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match="native_fused: true needs a C\\+\\+ compiler"):
+        build_attention("maclaurin", head_dim=16, num_heads=2, native_fused=True)
