@@ -21,6 +21,7 @@ data is read or a model is built.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import types
 import typing
@@ -119,19 +120,33 @@ def constructor_chain(cls: type) -> list[Any]:
 def _parameters(cls: type) -> dict[str, inspect.Parameter]:
     """The keyword-only options of ``cls``'s constructor, own first, then those its
     ``**kwargs`` reach; the model-supplied ones left out."""
+    return dict(_class_parameters(cls))
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """The options' type hints."""
+    return dict(_class_hints(cls))
+
+
+# A class's signatures do not change: read once a class (every CLI start describes every
+# backend's options for --help, and a sweep starts one parser a point: 39 points of the
+# mechanism screen spent most of their report's time in inspect.signature).
+@functools.cache
+def _class_parameters(cls: type) -> types.MappingProxyType:
     found: dict[str, inspect.Parameter] = {}
     for init in constructor_chain(cls):
         for k, p in inspect.signature(init).parameters.items():
             if k not in MODEL_SUPPLIED and p.kind == p.KEYWORD_ONLY:
                 found.setdefault(k, p)
-    return found
+    return types.MappingProxyType(found)
 
 
-def _hints(cls: type) -> dict[str, Any]:
+@functools.cache
+def _class_hints(cls: type) -> types.MappingProxyType:
     hints: dict[str, Any] = {}
     for init in reversed(constructor_chain(cls)):
         hints.update(typing.get_type_hints(init))
-    return {k: v for k, v in hints.items() if k in _parameters(cls)}
+    return types.MappingProxyType({k: v for k, v in hints.items() if k in _class_parameters(cls)})
 
 
 def backend_options(name: str) -> dict[str, inspect.Parameter]:
