@@ -190,25 +190,28 @@ COMMITTED = sorted(p.parent for p in (REPO / "results").rglob("config.yaml"))
 
 def test_every_committed_run_has_a_record():
     """Runs from before provenance.yaml have a recovered record (sources named, a short
-    commit); runs since wrote their own (a full commit of a clean tree). Either way the code
-    digest is the package's at that commit, never guessed."""
+    commit); runs since wrote their own (a full commit of a clean tree), one entry per start
+    (a run resumed after a stop has two or more). Either way the code digest is the
+    package's at that commit, never guessed."""
     assert len(COMMITTED) >= 20
     digests = {}
     for folder in COMMITTED:
-        (entry,) = provenance.read(folder)
-        commit = entry["code"]["commit"]
-        if "recovered" in entry:
-            assert entry["sources"], folder
-            assert re.fullmatch(r"[0-9a-f]{7}", commit), folder
-        else:
-            assert re.fullmatch(r"[0-9a-f]{40}", commit), folder
-            assert entry["code"]["dirty"] is False, folder
-        if commit not in digests:
-            digests[commit] = provenance.digest_at(commit)
-        if digests[commit] != provenance.UNKNOWN:  # a shallow clone lacks the commit
-            assert entry["code"]["digest"] == digests[commit], folder
-        header = (folder / "config.yaml").read_text().splitlines()[0]
-        assert header == f"# lightning.pytorch=={entry['versions']['lightning']}", folder
+        entries = provenance.read(folder)
+        assert entries, folder
+        for entry in entries:
+            commit = entry["code"]["commit"]
+            if "recovered" in entry:
+                assert len(entries) == 1 and entry["sources"], folder
+                assert re.fullmatch(r"[0-9a-f]{7}", commit), folder
+            else:
+                assert re.fullmatch(r"[0-9a-f]{40}", commit), folder
+                assert entry["code"]["dirty"] is False, folder
+            if commit not in digests:
+                digests[commit] = provenance.digest_at(commit)
+            if digests[commit] != provenance.UNKNOWN:  # a shallow clone lacks the commit
+                assert entry["code"]["digest"] == digests[commit], folder
+            header = (folder / "config.yaml").read_text().splitlines()[0]
+            assert header == f"# lightning.pytorch=={entry['versions']['lightning']}", folder
     softmax = REPO / "results/lra_listops/lra_listops_table2"
     commits = [
         provenance.read(softmax / f"method=softmax,seed={s}/version_0")[0]["code"]["commit"]
