@@ -12,6 +12,13 @@ from macformer_lit.attention.spec import backend_options
 HEAD_DIM, NUM_HEADS = 8, 2
 
 
+@pytest.fixture(autouse=True)
+def _native_cache(tmp_path_factory, monkeypatch):
+    """The native kernels (native_map, native_fused) build into a folder of the test session,
+    not the user's cache."""
+    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
+
+
 def small_options(name: str) -> dict:
     """Options that keep tests fast and exercise chunking: few features, tiny chunks."""
     params = backend_options(name)

@@ -1,32 +1,21 @@
 """The fused bidirectional Maclaurin products (attention/native_fused.py): within float32's
 rounding of the float64 products and of their exact gradients, the same bits on any thread
-count, no feature rows kept for the backward, the attention it serves equal to the unfused
-float32 one (causal calls and float64 untouched), and the bad combinations refused."""
+count, no feature rows kept for the backward, and the attention it serves equal to the
+unfused float32 one (causal calls and float64 untouched). Its refusals are tested with the
+native map's (test_native_map.py)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
+from native_support import CXX, U32, needs_cxx
+from native_support import scale as _scale
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention.maclaurin import maclaurin_rows
 from macformer_lit.attention.native_fused import native_fused_products
 
-U32 = 2.0**-24
-CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
-pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    """Build into a folder of the test session, not the user's cache."""
-    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
-
-
-def _scale(d):
-    return build_attention("maclaurin", head_dim=d, num_heads=1)._scale
+pytestmark = needs_cxx
 
 
 def _products(q, k, v1, scale):
@@ -170,23 +159,3 @@ def test_float64_takes_the_unfused_products():
     ref = build_attention("maclaurin", head_dim=16, num_heads=1).double()
     q, k, v = (torch.randn(1, 1, 20, 16, dtype=torch.float64) for _ in "qkv")
     assert torch.equal(attn(q, k, v), ref(q, k, v))
-
-
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        (dict(degree=1), "native_fused: true is the degree-2 map's fused kernel"),
-        (dict(head_dim=24), "native_fused: true takes head_dim 16, 32, 48, 64; got 24"),
-    ],
-)
-def test_bad_combinations_refused(options, message):
-    kwargs = dict(head_dim=16, num_heads=1, native_fused=True) | options
-    with pytest.raises(ValueError, match=message):
-        build_attention("maclaurin", **kwargs)
-
-
-def test_needs_a_cxx_compiler(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.delenv("CXX", raising=False)
-    with pytest.raises(ValueError, match="native_fused: true needs a C\\+\\+ compiler"):
-        build_attention("maclaurin", head_dim=16, num_heads=2, native_fused=True)

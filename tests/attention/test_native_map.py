@@ -4,28 +4,16 @@ count, the attention it serves equal to the eager map's, and the bad combination
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
+from native_support import CXX, U32, needs_cxx
+from native_support import scale as _scale
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention.maclaurin import maclaurin_rows
 from macformer_lit.attention.native_map import _library, library, native_maclaurin_rows
 
-U32 = 2.0**-24
-CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
-pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    """Build into a folder of the test session, not the user's cache."""
-    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path_factory.getbasetemp() / "native"))
-
-
-def _scale(d):
-    return build_attention("maclaurin", head_dim=d, num_heads=1)._scale
+pytestmark = needs_cxx
 
 
 # 8 and 48: the loop for any head size; 16, 32, 64: the compiled-in sizes. Feature-major:
@@ -144,40 +132,55 @@ def test_cache_folder(tmp_path, monkeypatch):
         _library.cache_clear()
 
 
+# The refusals of both native options: native_map (the map) and native_fused (the fused
+# products, tests/attention/test_native_fused.py).
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(degree=1), "native_map: true is the degree-2 map's kernel"),
-        (dict(head_dim=2048), "native_map: true takes head_dim ≤ 1024"),
+        (dict(native_map=True, degree=1), "native_map: true is the degree-2 map's kernel"),
+        (dict(native_map=True, head_dim=2048), "native_map: true takes head_dim ≤ 1024"),
+        (dict(native_fused=True, degree=1), "native_fused: true is the degree-2 map's fused"),
+        (dict(native_fused=True, head_dim=24),
+         "native_fused: true takes head_dim 16, 32, 48, 64; got 24"),
     ],
-)
+)  # fmt: skip
 def test_bad_combinations_refused(options, message):
-    kwargs = dict(head_dim=8, num_heads=1, native_map=True) | options
+    kwargs = dict(head_dim=16, num_heads=1) | options
     with pytest.raises(ValueError, match=message):
         build_attention("maclaurin", **kwargs)
 
 
-def test_needs_a_cxx_compiler(monkeypatch, tmp_path):
+@pytest.mark.parametrize("option", ["native_map", "native_fused"])
+def test_needs_a_cxx_compiler(monkeypatch, tmp_path, option):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
-    with pytest.raises(ValueError, match="native_map: true needs a C\\+\\+ compiler"):
-        build_attention("maclaurin", head_dim=8, num_heads=2, native_map=True)
+    with pytest.raises(ValueError, match=f"{option}: true needs a C\\+\\+ compiler"):
+        build_attention("maclaurin", head_dim=16, num_heads=2, **{option: True})
 
 
-def test_a_compiler_that_fails_is_refused_in_one_line(tmp_path, monkeypatch):
+def _refused_build(option: str, match: str) -> str:
+    """The one-line message of a backend whose library cannot be built; the cache of built
+    libraries cleared before and after."""
+    _library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=match) as err:
+            build_attention("maclaurin", head_dim=16, num_heads=1, **{option: True})
+    finally:
+        _library.cache_clear()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{option}: true: ")
+    return message
+
+
+@pytest.mark.parametrize("option", ["native_map", "native_fused"])
+def test_a_compiler_that_fails_is_refused_in_one_line(tmp_path, monkeypatch, option):
     """Checked when the backend is built, before any training."""
     broken = tmp_path / "c++"
     broken.write_text("#!/bin/sh\necho 'fatal error: no such target' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
     monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path / "cache"))
-    _library.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="could not build the kernel") as err:
-            build_attention("maclaurin", head_dim=8, num_heads=1, native_map=True)
-    finally:
-        _library.cache_clear()
-    assert "\n" not in str(err.value) and "no such target" in str(err.value)
+    assert "no such target" in _refused_build(option, "could not build the kernel")
 
 
 def test_an_unwritable_cache_folder_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -186,10 +189,5 @@ def test_an_unwritable_cache_folder_is_refused_in_one_line(tmp_path, monkeypatch
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setenv("MACFORMER_LIT_CACHE", str(blocker / "cache"))
-    _library.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="cannot write the kernel's cache folder") as err:
-            build_attention("maclaurin", head_dim=8, num_heads=1, native_map=True)
-    finally:
-        _library.cache_clear()
-    assert "\n" not in str(err.value) and "MACFORMER_LIT_CACHE" in str(err.value)
+    message = _refused_build("native_map", "cannot write the kernel's cache folder")
+    assert "MACFORMER_LIT_CACHE" in message
