@@ -14,8 +14,9 @@ of about this size on a CPU):
    suggested 1.5-2x for 33 columns against 48; measured idle, forward and backward, the
    padding gained nothing: results/maclaurin_map_6f2dd31.md, so the backend does not pad).
 3. The maps and the two products together: the native map's bfloat16 rows and the bfloat16
-   GEMMs (what ``macformer_wide_native`` runs) against the fused float32 kernel
-   (attention/native_fused.py, ``native_fused: true``).
+   GEMMs (what ``macformer_wide_native`` runs) against the fused kernel
+   (attention/native_fused.py, ``native_fused: true``) in float32 and with bfloat16 inputs
+   (``feature_dtype: bfloat16``: the CPU's bfloat16 dot products where it has them).
 4. The attention call of ``macformer_wide_fast`` (degree-2 features in ppSBN, bfloat16 rows,
    under bf16 autocast) with the compiled map, the native map and the fused products,
    beside torch SDPA softmax in fp32 (the ratio's base) and under bf16 autocast.
@@ -114,11 +115,18 @@ def fused_cases(args, gen):
         out = phi_q @ (phi_k.transpose(-1, -2) @ v1.bfloat16())
         torch.autograd.grad(out, (q, k, v1), g.bfloat16())
 
-    def fused():
-        out = native_fused_products(q, k, v1, scale, cxx)
-        torch.autograd.grad(out, (q, k, v1), g)
+    def fused(bf16):
+        def call():
+            out = native_fused_products(q, k, v1, scale, cxx, bf16)
+            torch.autograd.grad(out, (q, k, v1), g)
 
-    return {"native map, bfloat16 products": unfused, "fused, float32": fused}
+        return call
+
+    return {
+        "native map, bfloat16 products": unfused,
+        "fused, float32": fused(False),
+        "fused, bfloat16 inputs": fused(True),
+    }
 
 
 def attention_cases(args, gen):

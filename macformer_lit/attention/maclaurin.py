@@ -19,10 +19,10 @@ one backward instead of d slices; a C++ compiler must be on PATH); ``native_map:
 evaluates the degree-2 map of CPU tensors with a hand-written kernel (native_map.py: the
 same rows bit for bit; forward and backward 0.29x of the compiled map's time,
 benchmarks/README.md; built with the C++ compiler on first use); ``native_fused: true``
-runs a bidirectional call's map and both products in one float32 kernel a direction on the
-CPU (native_fused.py: the rows never reach memory; the ListOps step 0.36x eager softmax's,
-benchmarks/README.md). Tensors on other devices take the compiled map if ``compile_map`` is
-on (Triton on a GPU), else the eager one.
+runs a bidirectional call's map and both products in one kernel a direction on the CPU
+(native_fused.py: the rows never reach memory; in float32 the ListOps step 0.36x eager
+softmax's, benchmarks/README.md). Tensors on other devices take the compiled map if
+``compile_map`` is on (Triton on a GPU), else the eager one.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ class MaclaurinAttention(FeatureAttention):
         ``native_map``: evaluate the degree-2 map of CPU tensors with the hand-written
         kernel of native_map.py (needs a C++ compiler). ``native_fused``: every
         bidirectional call on CPU float32 tensors runs the map and both products in one
-        native kernel a direction (native_fused.py: the rows never reach memory, float32
-        throughout whatever ``feature_dtype`` says; head_dim 16, 32, 48 or 64)."""
+        native kernel a direction (native_fused.py: the rows never reach memory; with
+        ``feature_dtype: bfloat16`` the products' inputs are rounded to bfloat16 and
+        multiplied by the CPU's bfloat16 dot products; head_dim 16, 32, 48 or 64)."""
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
         if degree not in (1, 2):
             raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
@@ -199,7 +200,8 @@ class MaclaurinAttention(FeatureAttention):
 
     def _bidirectional(self, q, k, v1, mask):
         if self._fuses(q):
-            return native_fused_products(q, k, v1, self._scale, self._compiler), None
+            bf16 = self.feature_dtype == "bfloat16"
+            return native_fused_products(q, k, v1, self._scale, self._compiler, bf16), None
         return super()._bidirectional(q, k, v1, mask)
 
     def _key_features(self, k, keep, floor):

@@ -14,9 +14,14 @@ built again in the backward: only q, k, [v, 1] and the small state S are kept. B
     ∂[v, 1]_l = ∂Sᵀ φ(k_l)              (the apply primitive on (k, ∂S))
     ∂q_i = J_φ(q_i)ᵀ (S ∂out_i),  ∂k_l = J_φ(k_l)ᵀ (∂S [v, 1]_l)   (the pullback)
 
-Everything is float32 (the rows are the eager float32 map's bit for bit; sums in another
-order than the GEMMs'): the error is float32 rounding whatever ``feature_dtype`` says.
-Head sizes 16, 32, 48 and 64 (multiples of the 16-float vectors the loops are written in).
+In float32 (``feature_dtype: float32``) the rows are the eager float32 map's bit for bit and
+the sums run in another order than the GEMMs': the error is float32 rounding. With
+``feature_dtype: bfloat16`` the products' inputs (the rows, [v, 1] or ∂out, the state) are
+rounded to bfloat16 as the unfused bfloat16 GEMMs take them, and multiplied with the CPU's
+bfloat16 dot products (AVX512-BF16: two pairs a lane), accumulating in float32; the state
+and the results stay float32. A CPU without the instruction runs the float32 kernel instead
+(closer to exact than asked). Head sizes 16, 32, 48 and 64 (multiples of the 16-float
+vectors the loops are written in).
 """
 
 from __future__ import annotations
@@ -34,36 +39,36 @@ def _groups(x: torch.Tensor) -> tuple[int, int]:
     return x.numel() // max(1, x.shape[-2] * x.shape[-1]), x.shape[-2]
 
 
-def _call(fn, *tensors, G: int, L: int, d: int) -> None:
-    code = fn(*(t.data_ptr() for t in tensors), G, L, d, torch.get_num_threads())
+def _call(fn, *tensors, G: int, L: int, d: int, bf16: bool) -> None:
+    code = fn(*(t.data_ptr() for t in tensors), G, L, d, int(bf16), torch.get_num_threads())
     if code != 0:
         raise ValueError(f"native_fused: true takes head_dim in {HEAD_DIMS}; got {d}")
 
 
-def _state(lib, x, y, scale):
+def _state(lib, x, y, scale, bf16):
     """S (..., D', e) = Σ_l φ(x_l) y_lᵀ over x (..., L, d), y (..., L, e)."""
     d = x.shape[-1]
     D = 1 + d + d * (d + 1) // 2
     S = torch.empty(*x.shape[:-2], D, d + 1)
     G, L = _groups(x)
-    _call(lib.maclaurin2_state, x, y, scale, S, G=G, L=L, d=d)
+    _call(lib.maclaurin2_state, x, y, scale, S, G=G, L=L, d=d, bf16=bf16)
     return S
 
 
-def _apply(lib, x, S, scale):
+def _apply(lib, x, S, scale, bf16):
     """out (..., L, e) = Sᵀ φ(x_l) for x (..., L, d)."""
     d = x.shape[-1]
     out = torch.empty(*x.shape[:-1], d + 1)
     G, L = _groups(x)
-    _call(lib.maclaurin2_apply, x, S, scale, out, G=G, L=L, d=d)
+    _call(lib.maclaurin2_apply, x, S, scale, out, G=G, L=L, d=d, bf16=bf16)
     return out
 
 
-def _pullback(lib, x, S, y, scale):
+def _pullback(lib, x, S, y, scale, bf16):
     """∂x (..., L, d) = J_φ(x_l)ᵀ (S y_l)."""
     gx = torch.empty_like(x)
     G, L = _groups(x)
-    _call(lib.maclaurin2_pullback, x, S, y, scale, gx, G=G, L=L, d=x.shape[-1])
+    _call(lib.maclaurin2_pullback, x, S, y, scale, gx, G=G, L=L, d=x.shape[-1], bf16=bf16)
     return gx
 
 
@@ -73,32 +78,39 @@ class NativeFusedProducts(torch.autograd.Function):
     gradient reaches q, k and v1 (the scale is a constant buffer)."""
 
     @staticmethod
-    def forward(ctx, q, k, v1, scale, compiler):
+    def forward(ctx, q, k, v1, scale, compiler, bf16):
         lib = library(compiler, "native_fused")
         q, k, v1 = q.contiguous(), k.contiguous(), v1.contiguous()
-        S = _state(lib, k, v1, scale)
-        out = _apply(lib, q, S, scale)
+        S = _state(lib, k, v1, scale, bf16)
+        out = _apply(lib, q, S, scale, bf16)
         ctx.save_for_backward(q, k, v1, S, scale)
-        ctx.compiler = compiler
+        ctx.compiler, ctx.bf16 = compiler, bf16
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         q, k, v1, S, scale = ctx.saved_tensors
-        lib = library(ctx.compiler, "native_fused")
+        lib, bf16 = library(ctx.compiler, "native_fused"), ctx.bf16
         g = g.contiguous()
         need_q, need_k, need_v1 = ctx.needs_input_grad[:3]
-        gq = _pullback(lib, q, S, g, scale) if need_q else None
+        gq = _pullback(lib, q, S, g, scale, bf16) if need_q else None
         gk = gv1 = None
         if need_k or need_v1:
-            gS = _state(lib, q, g, scale)
-            gv1 = _apply(lib, k, gS, scale) if need_v1 else None
-            gk = _pullback(lib, k, gS, v1, scale) if need_k else None
-        return gq, gk, gv1, None, None
+            gS = _state(lib, q, g, scale, bf16)
+            gv1 = _apply(lib, k, gS, scale, bf16) if need_v1 else None
+            gk = _pullback(lib, k, gS, v1, scale, bf16) if need_k else None
+        return gq, gk, gv1, None, None, None
 
 
-def native_fused_products(q, k, v1, scale, compiler: str) -> torch.Tensor:
+def native_fused_products(q, k, v1, scale, compiler: str, bf16: bool = False) -> torch.Tensor:
     """[numerator, denominator] (..., N, d+1) of the bidirectional degree-2 Maclaurin
-    attention: φ(q)ᵀ[φ(k)ᵀ v1] without the feature rows in memory (float32 CPU tensors)."""
-    return NativeFusedProducts.apply(q, k, v1, scale.float().contiguous(), compiler)
+    attention: φ(q)ᵀ[φ(k)ᵀ v1] without the feature rows in memory (float32 CPU tensors).
+    ``bf16``: the products' inputs rounded to bfloat16 where the CPU multiplies bfloat16
+    pairs (``bf16_dot()``), float32 otherwise."""
+    return NativeFusedProducts.apply(q, k, v1, scale.float().contiguous(), compiler, bf16)
+
+
+def bf16_dot(compiler: str) -> bool:
+    """Whether this CPU's build has the bfloat16 dot products (AVX512-BF16)."""
+    return bool(library(compiler, "native_fused").maclaurin2_bf16_dot())

@@ -116,9 +116,10 @@ def _library(compiler: str) -> ctypes.CDLL:
         "maclaurin2_forward_lanes": [ptr] * 3 + [i64, i64] + [i32] * 3,
         "maclaurin2_backward": [ptr] * 4 + [i64] + [i32] * 3,
         "maclaurin2_backward_lanes": [ptr] * 4 + [i64, i64] + [i32] * 3,
-        "maclaurin2_state": [ptr] * 4 + [i64, i64] + [i32] * 2,
-        "maclaurin2_apply": [ptr] * 4 + [i64, i64] + [i32] * 2,
-        "maclaurin2_pullback": [ptr] * 5 + [i64, i64] + [i32] * 2,
+        "maclaurin2_state": [ptr] * 4 + [i64, i64] + [i32] * 3,
+        "maclaurin2_apply": [ptr] * 4 + [i64, i64] + [i32] * 3,
+        "maclaurin2_pullback": [ptr] * 5 + [i64, i64] + [i32] * 3,
+        "maclaurin2_bf16_dot": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

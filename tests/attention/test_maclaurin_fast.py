@@ -1,16 +1,18 @@
 """The Maclaurin backend's fast options (docs/maths.md §14, fast options): bfloat16 rows
 within the bound of their five roundings, gradients within the same count of roundings
-norm-wise, the compiled map equal to the eager one, and compile_map refused where no C++
-compiler is."""
+norm-wise (the fused products' bfloat16 inputs too), the compiled map equal to the eager
+one, and compile_map refused where no C++ compiler is."""
 
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 
 from macformer_lit.attention import build_attention
+from macformer_lit.attention.native_fused import bf16_dot
 from macformer_lit.attention.reference import keep_mask
 
 U = 2.0**-8  # bfloat16's unit roundoff: 8 significant bits, round to nearest
@@ -53,16 +55,35 @@ def rounding_bound(attn, q, k, v, mask, causal):
     return exact, torch.where(den > e_den, bound, torch.inf)
 
 
+CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+# The fused products (native_fused) with bfloat16 inputs: bidirectional calls only (causal
+# ones take the unfused path, tested as such); they round where the CPU has bfloat16 dot
+# products, and are float32 (closer than the bound asks) where it has not.
+PATHS = [
+    pytest.param({}, id="unfused"),
+    pytest.param(
+        {"native_fused": True},
+        id="fused",
+        marks=pytest.mark.skipif(CXX is None, reason="no C++ compiler"),
+    ),
+]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("tau", [1.0, 16.0, 128.0])
-def test_bfloat16_rows_within_their_rounding_bound(causal, tau):
+@pytest.mark.parametrize("path", PATHS)
+def test_bfloat16_rows_within_their_rounding_bound(causal, tau, path):
+    if path and causal:
+        pytest.skip("causal calls do not take the fused products")
     q, k, v, mask = _inputs(0, tau=tau)
-    attn = build_attention("maclaurin", head_dim=32, num_heads=2, feature_dtype="bfloat16")
+    attn = build_attention("maclaurin", head_dim=32, num_heads=2, feature_dtype="bfloat16", **path)
     exact, bound = rounding_bound(attn, q, k, v, mask, causal)
     out = attn(q, k, v, key_padding_mask=mask, causal=causal).double()
     err = (out - exact).abs()
     assert (err <= bound).all(), float((err / bound).max())
     assert bound.isfinite().float().mean() > (0.9 if tau > 16 else 0.999)
+    if path and not bf16_dot(CXX):
+        return  # float32 products: nothing rounded to tell apart
     # Not vacuous: the rows are rounded (float32 rows are ~1e4 times closer).
     assert (
         err.max()
@@ -93,14 +114,18 @@ def test_decoding_with_bfloat16_rows_within_the_bound():
 
 
 @pytest.mark.parametrize("tau", [1.0, 128.0])
-def test_bfloat16_gradients_within_five_roundings(tau):
+@pytest.mark.parametrize("path", PATHS)
+def test_bfloat16_gradients_within_five_roundings(tau, path):
     """Norm-wise relative error of dq, dk, dv against float64 at most 5u (the forward's
     count of roundings; measured about 1u, docs/maths.md §14, fast options)."""
     q0, k0, v0, mask = _inputs(2, tau=tau)
     w = torch.randn(v0.shape, generator=torch.Generator().manual_seed(3))
     grads = {}
     for dtype in ("float32", "bfloat16"):
-        attn = build_attention("maclaurin", head_dim=32, num_heads=2, feature_dtype=dtype)
+        options = path if dtype == "bfloat16" else {}
+        attn = build_attention(
+            "maclaurin", head_dim=32, num_heads=2, feature_dtype=dtype, **options
+        )
         cast = torch.float64 if dtype == "float32" else torch.float32
         q, k, v = (t.to(cast).requires_grad_() for t in (q0, k0, v0))
         (attn.to(cast)(q, k, v, key_padding_mask=mask).double() * w).sum().backward()

@@ -67,7 +67,8 @@ def test_products_and_gradients_within_float32_rounding(d):
         assert err.max() > 0, name  # float32, not float64: the bound is not met vacuously
 
 
-def test_same_bits_on_any_thread_count():
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16_inputs"])
+def test_same_bits_on_any_thread_count(bf16):
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(3, 2, 101, 32, generator=gen), torch.randn(3, 2, 77, 32, generator=gen)
     v1, g = torch.randn(3, 2, 77, 33, generator=gen), torch.randn(3, 2, 101, 33, generator=gen)
@@ -77,7 +78,7 @@ def test_same_bits_on_any_thread_count():
         for n in (1, 3):
             torch.set_num_threads(n)
             leaves = [t.clone().requires_grad_() for t in (q, k, v1)]
-            out = native_fused_products(*leaves, _scale(32), CXX)
+            out = native_fused_products(*leaves, _scale(32), CXX, bf16)
             results.append((out, *torch.autograd.grad(out, leaves, g)))
     finally:
         torch.set_num_threads(threads)

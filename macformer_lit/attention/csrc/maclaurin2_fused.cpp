@@ -18,6 +18,10 @@
 
 #include "maclaurin2.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 typedef float vf __attribute__((vector_size(64)));
@@ -180,25 +184,238 @@ void pullback_tile(const float* x, const float* y, const float* S, const float* 
         backward_block<false>(hT, x, scale, gx, TILE, 0, n, d, D, c, Same{});
 }
 
+// ---- bfloat16 inputs (feature_dtype: bfloat16) ---------------------------------------------
+// The products' inputs rounded to bfloat16 (to nearest even, as torch), products accumulated in
+// float32: the φ rows, y and the state, as the unfused path's bfloat16 GEMMs take them (but
+// the state and the results stay float32). With AVX512-BF16, vdpbf16ps multiplies two
+// bfloat16 pairs a lane, twice float32's rate: operands are packed as 32-bit words holding
+// two bfloat16 values (two rows, two features or two columns, whichever the sum runs over).
+// Without it the float32 primitives run instead (the same inputs unrounded: closer to exact).
+#if defined(__AVX512BF16__)
+constexpr bool HAVE_BF16_DOT = true;
+
+inline uint32_t pack2(float lo, float hi) {
+    return uint32_t(to_bf16(lo)) | (uint32_t(to_bf16(hi)) << 16);
+}
+inline float rounded(float v) { return from_bf16(to_bf16(v)); }
+inline __m512bh words(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh word(uint32_t w) { return (__m512bh)_mm512_set1_epi32(int(w)); }
+inline vf dot2(vf acc, __m512bh a, __m512bh b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
+
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+// dot(a, b) of bfloat16 a and float b over n entries: 16 lanes, one reduction.
+inline float dot_bf16(const uint16_t* a, const float* b, int64_t n) {
+    vf acc = vf{};
+    int64_t f = 0;
+    for (; f + 16 <= n; f += 16) {
+        vh h;
+        std::memcpy(&h, a + f, sizeof h);
+        acc += (vf)(__builtin_convertvector(h, vu) << 16) * vload(b + f);
+    }
+    float s = hsum(acc);
+    for (; f < n; ++f) s += from_bf16(a[f]) * b[f];
+    return s;
+}
+
+struct ToBf16 {
+    uint16_t operator()(float v) const { return to_bf16(v); }
+};
+
+// S[f][0:d] += Σ_pairs P[p][f]·Y[p][0:d], P and Y two rows to a word.
+template <int DV, int FB>
+inline void state_block_bf16(const uint32_t* P, int64_t D, const uint32_t* Y, int np, float* S,
+                             int e, int64_t f) {
+    constexpr int d = 16 * DV;
+    vf acc[FB][DV];
+    for (int j = 0; j < FB; ++j)
+        for (int v = 0; v < DV; ++v) acc[j][v] = vload(S + (f + j) * e + 16 * v);
+    for (int p = 0; p < np; ++p) {
+        __m512bh yv[DV];
+        for (int v = 0; v < DV; ++v) yv[v] = words(Y + int64_t(p) * d + 16 * v);
+        const uint32_t* w = P + int64_t(p) * D + f;
+        for (int j = 0; j < FB; ++j) {
+            const __m512bh a = word(w[j]);
+            for (int v = 0; v < DV; ++v) acc[j][v] = dot2(acc[j][v], a, yv[v]);
+        }
+    }
+    for (int j = 0; j < FB; ++j)
+        for (int v = 0; v < DV; ++v) vstore(S + (f + j) * e + 16 * v, acc[j][v]);
+}
+
+template <int DV>
+void state_group_bf16(const float* x, const float* y, const float* scale, float* S, float* last,
+                      uint16_t* rows, uint32_t* P, uint32_t* Y, int64_t L, int64_t D, float c) {
+    constexpr int d = 16 * DV, e = d + 1, FB = DV == 1 ? 16 : DV == 2 ? 12 : 6;
+    for (int64_t i = 0; i < D * e; ++i) S[i] = 0.0f;
+    for (int64_t f = 0; f < D; ++f) last[f] = 0.0f;
+    for (int64_t r0 = 0; r0 < L; r0 += TILE) {
+        const int n = int(L - r0 < TILE ? L - r0 : TILE), np = (n + 1) / 2;
+        const float* yt = y + r0 * e;
+        forward_rows<MAP_DT<d>>(x + r0 * d, scale, rows, 0, n, d, D, c, ToBf16{});
+        if (n % 2)
+            for (int64_t f = 0; f < D; ++f) rows[int64_t(n) * D + f] = 0;  // the odd row's pair
+        for (int p = 0; p < np; ++p) {
+            const uint16_t *a = rows + int64_t(2 * p) * D, *b = a + D;
+            uint32_t* w = P + int64_t(p) * D;
+            for (int64_t f = 0; f < D; ++f) w[f] = uint32_t(a[f]) | (uint32_t(b[f]) << 16);
+            const float* ya = yt + int64_t(2 * p) * e;
+            const bool pair = 2 * p + 1 < n;
+            for (int col = 0; col < d; ++col)
+                Y[int64_t(p) * d + col] = pack2(ya[col], pair ? ya[e + col] : 0.0f);
+        }
+        int64_t f = 0;
+        for (; f + FB <= D; f += FB) state_block_bf16<DV, FB>(P, D, Y, np, S, e, f);
+        for (; f < D; ++f) state_block_bf16<DV, 1>(P, D, Y, np, S, e, f);
+        for (int r = 0; r < n; ++r) {  // the last column in float32 from the rounded inputs
+            const uint16_t* t = rows + int64_t(r) * D;
+            const float yl = rounded(yt[int64_t(r) * e + d]);
+            for (int64_t g = 0; g < D; ++g) last[g] += from_bf16(t[g]) * yl;
+        }
+    }
+    for (int64_t f = 0; f < D; ++f) S[f * e + d] = last[f];
+}
+
+// out rows [i, i + NB): Σ over feature pairs of (φ[r][2q], φ[r][2q+1])·Sp[q][0:d].
+template <int DV, int NB>
+inline void apply_block_bf16(const uint16_t* rows, int64_t Dp, const uint32_t* Sp, float* out,
+                             int e) {
+    constexpr int d = 16 * DV;
+    vf acc[NB][DV];
+    for (int i = 0; i < NB; ++i)
+        for (int v = 0; v < DV; ++v) acc[i][v] = vf{};
+    for (int64_t q = 0; q < Dp / 2; ++q) {
+        __m512bh s[DV];
+        for (int v = 0; v < DV; ++v) s[v] = words(Sp + q * d + 16 * v);
+        for (int i = 0; i < NB; ++i) {
+            uint32_t w;
+            std::memcpy(&w, rows + int64_t(i) * Dp + 2 * q, 4);
+            const __m512bh a = word(w);
+            for (int v = 0; v < DV; ++v) acc[i][v] = dot2(acc[i][v], a, s[v]);
+        }
+    }
+    for (int i = 0; i < NB; ++i)
+        for (int v = 0; v < DV; ++v) vstore(out + int64_t(i) * e + 16 * v, acc[i][v]);
+}
+
+template <int DV>
+void apply_tile_bf16(const float* x, const uint32_t* Sp, const float* lastb, const float* scale,
+                     float* out, uint16_t* rows, int n, int64_t D, float c) {
+    constexpr int d = 16 * DV, e = d + 1, NB = DV == 1 ? 16 : DV == 2 ? 12 : 6;
+    const int64_t Dp = D + D % 2;  // rows padded to whole feature pairs
+    forward_rows<MAP_DT<d>>(x, scale, rows, 0, n, d, Dp, c, ToBf16{});
+    if (Dp > D)
+        for (int r = 0; r < n; ++r) rows[int64_t(r) * Dp + D] = 0;
+    int i = 0;
+    for (; i + NB <= n; i += NB)
+        apply_block_bf16<DV, NB>(rows + int64_t(i) * Dp, Dp, Sp, out + int64_t(i) * e, e);
+    for (; i < n; ++i)
+        apply_block_bf16<DV, 1>(rows + int64_t(i) * Dp, Dp, Sp, out + int64_t(i) * e, e);
+    for (int r = 0; r < n; ++r) out[int64_t(r) * e + d] = dot_bf16(rows + int64_t(r) * Dp, lastb, D);
+}
+
+// hT[f][r] = Σ over column pairs of (S[f][2q], S[f][2q+1])·(y[r][2q], y[r][2q+1]), rows in
+// the lanes; Sw: S two columns to a word, (D', Q) with Q = ⌈e/2⌉; yT2: (Q, TILE).
+template <int FB>
+inline void pull_block_bf16(const uint32_t* Sw, int Q, const uint32_t* yT2, float* hT,
+                            int64_t f) {
+    constexpr int RV = TILE / 16;
+    vf acc[FB][RV];
+    for (int j = 0; j < FB; ++j)
+        for (int v = 0; v < RV; ++v) acc[j][v] = vf{};
+    for (int q = 0; q < Q; ++q) {
+        __m512bh yv[RV];
+        for (int v = 0; v < RV; ++v) yv[v] = words(yT2 + q * TILE + 16 * v);
+        for (int j = 0; j < FB; ++j) {
+            const __m512bh a = word(Sw[(f + j) * Q + q]);
+            for (int v = 0; v < RV; ++v) acc[j][v] = dot2(acc[j][v], a, yv[v]);
+        }
+    }
+    for (int j = 0; j < FB; ++j)
+        for (int v = 0; v < RV; ++v) vstore(hT + (f + j) * TILE + 16 * v, acc[j][v]);
+}
+
+template <int DV>
+void pullback_tile_bf16(const float* x, const float* y, const uint32_t* Sw, const float* scale,
+                        float* gx, float* hT, uint32_t* yT2, int n, int64_t D, float c) {
+    constexpr int d = 16 * DV, e = d + 1, Q = (e + 1) / 2, FB = 12;
+    for (int q = 0; q < Q; ++q)
+        for (int i = 0; i < TILE; ++i) {
+            const float* yi = y + int64_t(i) * e;
+            yT2[q * TILE + i] =
+                i < n ? pack2(yi[2 * q], 2 * q + 1 < e ? yi[2 * q + 1] : 0.0f) : 0u;
+        }
+    int64_t f = 0;
+    for (; f + FB <= D; f += FB) pull_block_bf16<FB>(Sw, Q, yT2, hT, f);
+    for (; f < D; ++f) pull_block_bf16<1>(Sw, Q, yT2, hT, f);
+    if (n == TILE)
+        backward_block<true>(hT, x, scale, gx, TILE, 0, n, d, D, c, Same{});
+    else
+        backward_block<false>(hT, x, scale, gx, TILE, 0, n, d, D, c, Same{});
+}
+#else
+constexpr bool HAVE_BF16_DOT = false;
+#endif
+
 template <int DV>
 void state_all(const float* x, const float* y, const float* scale, float* S, int64_t G,
-               int64_t L, int64_t D, float c, int threads) {
+               int64_t L, int64_t D, float c, bool bf16, int threads) {
+    constexpr int d = 16 * DV, e = d + 1;
     parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
         std::vector<float> tile(TILE * D), last(D);
-        for (int64_t g = lo; g < hi; ++g)
-            state_group<DV>(x + g * L * 16 * DV, y + g * L * (16 * DV + 1), scale,
-                            S + g * D * (16 * DV + 1), last.data(), tile.data(), L, D, c);
+#if defined(__AVX512BF16__)
+        std::vector<uint16_t> rows(bf16 ? TILE * D : 0);
+        std::vector<uint32_t> P(bf16 ? TILE / 2 * D : 0), Y(bf16 ? TILE / 2 * d : 0);
+#endif
+        for (int64_t g = lo; g < hi; ++g) {
+            const float *xg = x + g * L * d, *yg = y + g * L * e;
+#if defined(__AVX512BF16__)
+            if (bf16) {
+                state_group_bf16<DV>(xg, yg, scale, S + g * D * e, last.data(), rows.data(),
+                                     P.data(), Y.data(), L, D, c);
+                continue;
+            }
+#endif
+            state_group<DV>(xg, yg, scale, S + g * D * e, last.data(), tile.data(), L, D, c);
+        }
     });
 }
 
 template <int DV>
 void apply_all(const float* x, const float* S, const float* scale, float* out, int64_t G,
-               int64_t L, int64_t D, float c, int threads) {
+               int64_t L, int64_t D, float c, bool bf16, int threads) {
     constexpr int d = 16 * DV, e = d + 1;
     std::vector<float> last(G * D);  // S's last column of every group, contiguous
     for (int64_t g = 0; g < G; ++g)
         for (int64_t f = 0; f < D; ++f) last[g * D + f] = S[(g * D + f) * e + d];
     const int64_t tiles = (L + TILE - 1) / TILE;
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        // S rounded: two features to a word for the first d columns; the last column.
+        const int64_t Dp = D + D % 2;
+        std::vector<uint32_t> Sp(G * (Dp / 2) * d);
+        for (int64_t g = 0; g < G; ++g) {
+            const float* Sg = S + g * D * e;
+            for (int64_t q = 0; q < Dp / 2; ++q)
+                for (int col = 0; col < d; ++col)
+                    Sp[(g * (Dp / 2) + q) * d + col] =
+                        pack2(Sg[2 * q * e + col], 2 * q + 1 < D ? Sg[(2 * q + 1) * e + col] : 0.0f);
+        }
+        for (auto& v : last) v = rounded(v);
+        parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
+            std::vector<uint16_t> rows(TILE * Dp);
+            for (int64_t item = lo; item < hi; ++item) {
+                const int64_t g = item / tiles, r0 = (item % tiles) * TILE;
+                const int n = int(L - r0 < TILE ? L - r0 : TILE);
+                apply_tile_bf16<DV>(x + (g * L + r0) * d, Sp.data() + g * (Dp / 2) * d,
+                                    last.data() + g * D, scale, out + (g * L + r0) * e,
+                                    rows.data(), n, D, c);
+            }
+        });
+        return;
+    }
+#endif
     parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
         std::vector<float> tile(TILE * D);
         for (int64_t item = lo; item < hi; ++item) {
@@ -212,9 +429,31 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
 
 template <int DV>
 void pullback_all(const float* x, const float* S, const float* y, const float* scale, float* gx,
-                  int64_t G, int64_t L, int64_t D, float c, int threads) {
+                  int64_t G, int64_t L, int64_t D, float c, bool bf16, int threads) {
     constexpr int d = 16 * DV, e = d + 1;
     const int64_t tiles = (L + TILE - 1) / TILE;
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        constexpr int Q = (e + 1) / 2;  // S rounded, two columns to a word
+        std::vector<uint32_t> Sw(G * D * Q);
+        for (int64_t gf = 0; gf < G * D; ++gf)
+            for (int q = 0; q < Q; ++q)
+                Sw[gf * Q + q] =
+                    pack2(S[gf * e + 2 * q], 2 * q + 1 < e ? S[gf * e + 2 * q + 1] : 0.0f);
+        parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
+            std::vector<float> hT(D * TILE);
+            std::vector<uint32_t> yT2(Q * TILE);
+            for (int64_t item = lo; item < hi; ++item) {
+                const int64_t g = item / tiles, r0 = (item % tiles) * TILE;
+                const int n = int(L - r0 < TILE ? L - r0 : TILE);
+                pullback_tile_bf16<DV>(x + (g * L + r0) * d, y + (g * L + r0) * e,
+                                       Sw.data() + g * D * Q, scale, gx + (g * L + r0) * d,
+                                       hT.data(), yT2.data(), n, D, c);
+            }
+        });
+        return;
+    }
+#endif
     parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
         std::vector<float> hT(D * TILE), yT(e * TILE);
         for (int64_t item = lo; item < hi; ++item) {
@@ -243,27 +482,31 @@ void pullback_all(const float* x, const float* S, const float* y, const float* s
 
 extern "C" {
 
+// Whether bf16 != 0 below rounds the products' inputs to bfloat16 (AVX512-BF16 dot products);
+// without the instruction the float32 primitives run.
+int maclaurin2_bf16_dot() { return HAVE_BF16_DOT ? 1 : 0; }
+
 // x (G, L, d), y (G, L, d + 1) -> S (G, D', d + 1); d in {16, 32, 48, 64}, else returns 1.
 int maclaurin2_state(const float* x, const float* y, const float* scale, float* S, int64_t G,
-                     int64_t L, int d, int threads) {
+                     int64_t L, int d, int bf16, int threads) {
     FUSED_SIZES
-    DISPATCH_DV(state_all, x, y, scale, S, G, L, D, c, threads);
+    DISPATCH_DV(state_all, x, y, scale, S, G, L, D, c, bf16 != 0, threads);
     return 0;
 }
 
 // x (G, L, d), S (G, D', d + 1) -> out (G, L, d + 1).
 int maclaurin2_apply(const float* x, const float* S, const float* scale, float* out, int64_t G,
-                     int64_t L, int d, int threads) {
+                     int64_t L, int d, int bf16, int threads) {
     FUSED_SIZES
-    DISPATCH_DV(apply_all, x, S, scale, out, G, L, D, c, threads);
+    DISPATCH_DV(apply_all, x, S, scale, out, G, L, D, c, bf16 != 0, threads);
     return 0;
 }
 
 // x (G, L, d), S (G, D', d + 1), y (G, L, d + 1) -> gx (G, L, d).
 int maclaurin2_pullback(const float* x, const float* S, const float* y, const float* scale,
-                        float* gx, int64_t G, int64_t L, int d, int threads) {
+                        float* gx, int64_t G, int64_t L, int d, int bf16, int threads) {
     FUSED_SIZES
-    DISPATCH_DV(pullback_all, x, S, y, scale, gx, G, L, D, c, threads);
+    DISPATCH_DV(pullback_all, x, S, y, scale, gx, G, L, D, c, bf16 != 0, threads);
     return 0;
 }
 
