@@ -395,13 +395,15 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
         // S rounded: two features to a word for the first d columns; the last column.
         const int64_t Dp = D + D % 2;
         std::vector<uint32_t> Sp(G * (Dp / 2) * d);
-        for (int64_t g = 0; g < G; ++g) {
-            const float* Sg = S + g * D * e;
-            for (int64_t q = 0; q < Dp / 2; ++q)
-                for (int col = 0; col < d; ++col)
-                    Sp[(g * (Dp / 2) + q) * d + col] =
-                        pack2(Sg[2 * q * e + col], 2 * q + 1 < D ? Sg[(2 * q + 1) * e + col] : 0.0f);
-        }
+        parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
+            for (int64_t g = lo; g < hi; ++g) {
+                const float* Sg = S + g * D * e;
+                for (int64_t q = 0; q < Dp / 2; ++q)
+                    for (int col = 0; col < d; ++col)
+                        Sp[(g * (Dp / 2) + q) * d + col] = pack2(
+                            Sg[2 * q * e + col], 2 * q + 1 < D ? Sg[(2 * q + 1) * e + col] : 0.0f);
+            }
+        });
         for (auto& v : last) v = rounded(v);
         parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
             std::vector<uint16_t> rows(TILE * Dp);
@@ -436,10 +438,12 @@ void pullback_all(const float* x, const float* S, const float* y, const float* s
     if (bf16) {
         constexpr int Q = (e + 1) / 2;  // S rounded, two columns to a word
         std::vector<uint32_t> Sw(G * D * Q);
-        for (int64_t gf = 0; gf < G * D; ++gf)
-            for (int q = 0; q < Q; ++q)
-                Sw[gf * Q + q] =
-                    pack2(S[gf * e + 2 * q], 2 * q + 1 < e ? S[gf * e + 2 * q + 1] : 0.0f);
+        parallel_rows(G * D, threads, [&](int64_t lo, int64_t hi) {
+            for (int64_t gf = lo; gf < hi; ++gf)
+                for (int q = 0; q < Q; ++q)
+                    Sw[gf * Q + q] =
+                        pack2(S[gf * e + 2 * q], 2 * q + 1 < e ? S[gf * e + 2 * q + 1] : 0.0f);
+        });
         parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
             std::vector<float> hT(D * TILE);
             std::vector<uint32_t> yT2(Q * TILE);
