@@ -40,9 +40,10 @@ else
 fi
 
 step_machine
-step tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_device_branches.py tests/attention/test_maclaurin_fast.py
+step tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_device_branches.py tests/attention/test_maclaurin_fast.py \
+    tests/attention/test_triton_fused.py
 step train_step 200 $PY -m benchmarks.train_step --device "$DEVICE" \
-    --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,macformer_learns,macformer_fast,favor,linear,torch \
+    --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,macformer_learns,macformer_fast,macformer_fused,macformer_fused_bf16,favor,linear,torch \
     --paths eager,bf16,fp16 "${TS[@]}" --out "$WORK/bench" --name "train_step_$DEVICE"
 step attention_speed 75 $PY -m benchmarks.attention_speed --device "$DEVICE" "${AS[@]}" \
     --out "$WORK/bench" --name "attention_speed_$DEVICE"
@@ -52,6 +53,6 @@ step fit_fp16 150 $PY -m macformer_lit fit --config translation_synthetic.yaml \
 find "$WORK/runs" -name '*.ckpt' -delete 2>/dev/null
 pack
 step train_step_compile 200 $PY -m benchmarks.train_step --device "$DEVICE" --presets listops \
-    --backends softmax,macformer,macformer_learns,macformer_fast --paths eager,bf16,compile+bf16 "${TS[@]}" \
+    --backends softmax,macformer,macformer_learns,macformer_fast,macformer_fused --paths eager,bf16,compile+bf16 "${TS[@]}" \
     --out "$WORK/bench" --name "train_step_compile_$DEVICE"
 echo "=== done $(date +%T); outputs in $OUT/gpu_check.tgz"

@@ -21,8 +21,9 @@ Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``sof
 ``linear`` (linear.yaml), ``macformer_learns`` (maclaurin_ppsbn.yaml), ``macformer_fast``
 (maclaurin_ppsbn_fast.yaml: the same with bf16 rows and the compiled map),
 ``macformer_native`` (the same with ``native_map: true``: the native map on CPUs),
-``macformer_fused`` (maclaurin_ppsbn_fused.yaml: map and products fused on CPUs, float32),
-``macformer_fused_bf16`` (the same with ``feature_dtype: bfloat16``: bfloat16 dot products),
+``macformer_fused`` (maclaurin_ppsbn_fused.yaml: map and products fused, float32: the native
+kernel on CPUs, Triton's on GPUs), ``macformer_fused_bf16`` (the same with ``feature_dtype:
+bfloat16``: bfloat16 dot products),
 ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
 in the default set), and
@@ -235,11 +236,11 @@ def all_backends(config_dir: Path) -> list[Backend]:
                 {**attention_yaml(config_dir, "maclaurin_ppsbn_fast"), "native_map": True},
                 "attention/maclaurin_ppsbn_fast.yaml + native_map: true"),
         Backend("macformer_fused",
-                "degree-2 Maclaurin + ppSBN, fused float32 products (CPU)",
+                "degree-2 Maclaurin + ppSBN, fused float32 products (native CPU / Triton GPU)",
                 attention_yaml(config_dir, "maclaurin_ppsbn_fused"),
                 "attention/maclaurin_ppsbn_fused.yaml"),
         Backend("macformer_fused_bf16",
-                "degree-2 Maclaurin + ppSBN, fused products, bf16 inputs (CPU)",
+                "degree-2 Maclaurin + ppSBN, fused products, bf16 inputs (native CPU / Triton GPU)",
                 {**attention_yaml(config_dir, "maclaurin_ppsbn_fused"),
                  "feature_dtype": "bfloat16"},
                 "attention/maclaurin_ppsbn_fused.yaml + feature_dtype: bfloat16"),

@@ -21,8 +21,9 @@ same rows bit for bit; forward and backward 0.29x of the compiled map's time,
 benchmarks/README.md; built with the C++ compiler on first use); ``native_fused: true``
 runs a bidirectional call's map and both products in one kernel a direction on the CPU
 (native_fused.py: the rows never reach memory; in float32 the ListOps step 0.36x eager
-softmax's, benchmarks/README.md). Tensors on other devices take the compiled map if
-``compile_map`` is on (Triton on a GPU), else the eager one.
+softmax's, benchmarks/README.md); ``triton_fused: true`` does the same on CUDA tensors
+with Triton kernels (triton_fused.py). Tensors that no fused kernel takes get the compiled
+map if ``compile_map`` is on (Triton on a GPU), else the eager one.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from .native_fused import HEAD_DIMS as FUSED_HEAD_DIMS
 from .native_fused import native_fused_products
 from .native_map import MAX_HEAD_DIM, library, native_maclaurin_rows
 from .pieces import PIECE_BYTES, batch_slices
+from .triton_fused import MAX_HEAD_DIM as TRITON_MAX_HEAD_DIM
+from .triton_fused import runs_on as triton_runs_on
+from .triton_fused import triton_available, triton_fused_products
 
 # Bytes of the feature rows of one piece of the batch: a few batch entries at N ~ 1,000.
 PIECE_FEATURE_BYTES = 16 << 20
@@ -90,6 +94,7 @@ class MaclaurinAttention(FeatureAttention):
         compile_map: bool = False,
         native_map: bool = False,
         native_fused: bool = False,
+        triton_fused: bool = False,
         **common: Any,
     ) -> None:
         """``feature_dtype``: the dtype of the feature rows and of the two products (the
@@ -100,7 +105,10 @@ class MaclaurinAttention(FeatureAttention):
         bidirectional call on CPU float32 tensors runs the map and both products in one
         native kernel a direction (native_fused.py: the rows never reach memory; with
         ``feature_dtype: bfloat16`` the products' inputs are rounded to bfloat16 and
-        multiplied by the CPU's bfloat16 dot products; head_dim 16, 32, 48 or 64)."""
+        multiplied by the CPU's bfloat16 dot products; head_dim 16, 32, 48 or 64).
+        ``triton_fused``: the same on CUDA float32 tensors with Triton kernels
+        (triton_fused.py; head_dim up to 64; a machine with a GPU needs the ``triton``
+        package; CPU tensors are left to ``native_fused``)."""
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
         if degree not in (1, 2):
             raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
@@ -131,6 +139,21 @@ class MaclaurinAttention(FeatureAttention):
             raise ValueError(
                 "native_fused: true is the degree-2 map's fused kernel: set native_fused: false"
             )
+        if triton_fused and degree != 2:
+            raise ValueError(
+                "triton_fused: true is the degree-2 map's fused kernel: set triton_fused: false"
+            )
+        if triton_fused and head_dim > TRITON_MAX_HEAD_DIM:
+            raise ValueError(
+                f"triton_fused: true takes head_dim ≤ {TRITON_MAX_HEAD_DIM}; got {head_dim}: "
+                "set triton_fused: false"
+            )
+        if triton_fused and torch.cuda.is_available() and not triton_available():
+            raise ValueError(
+                "triton_fused: true needs the triton package for this machine's GPU (CUDA "
+                "builds of torch bring it; else pip install triton): install it, or set "
+                "triton_fused: false"
+            )
         if native_fused and head_dim not in FUSED_HEAD_DIMS:
             sizes = ", ".join(map(str, FUSED_HEAD_DIMS))
             raise ValueError(
@@ -145,6 +168,7 @@ class MaclaurinAttention(FeatureAttention):
                 library(self._compiler, option)
         self.feature_dtype, self.compile_map = feature_dtype, compile_map
         self.native_map, self.native_fused = native_map, native_fused
+        self.triton_fused = triton_fused
         self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
         self.target_kernel, self.degree = kernel, degree
         a = [self.kernel.coefficient(n) for n in range(degree + 1)]
@@ -155,13 +179,15 @@ class MaclaurinAttention(FeatureAttention):
             + ([torch.sqrt(a[2] * weight)] if degree == 2 else [])
         )
         self.register_buffer("_scale", scale.float(), persistent=False)
+        self._coefficients = tuple(a)  # the Triton kernels' (a0, a1, a2)
         self.num_features = scale.numel()
 
     def extra_repr(self) -> str:
         return (
             f"kernel={self.kernel.name}, degree={self.degree}, features={self.num_features}, "
             f"feature_dtype={self.feature_dtype}, compile_map={self.compile_map}, "
-            f"native_map={self.native_map}, native_fused={self.native_fused}"
+            f"native_map={self.native_map}, native_fused={self.native_fused}, "
+            f"triton_fused={self.triton_fused}"
         )
 
     def _rows_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -188,19 +214,27 @@ class MaclaurinAttention(FeatureAttention):
         phi = rows(x, self._scale.to(x.dtype), self.degree, self._rows_dtype(x.dtype))
         return phi.transpose(-1, -2)
 
-    def _fuses(self, x) -> bool:
-        """Whether a bidirectional call on x takes the fused kernel: ``native_fused`` on, a
-        CPU tensor computed in float32, not under torch.compile (ctypes breaks the graph)."""
-        return (
-            self.native_fused
-            and x.device.type == "cpu"
-            and torch.promote_types(x.dtype, torch.float32) == torch.float32
-            and not torch.compiler.is_compiling()
-        )
+    def _fused_kernel(self, x) -> str | None:
+        """Which fused kernel a bidirectional call on x takes, if any: ``triton_fused`` on a
+        CUDA tensor (or a CPU one under Triton's interpreter), else ``native_fused`` on a CPU
+        tensor; computed in float32 (not float64), not under torch.compile (a kernel call
+        outside the graph would break it)."""
+        if (
+            torch.promote_types(x.dtype, torch.float32) != torch.float32
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        if self.triton_fused and triton_runs_on(x):
+            return "triton"
+        if self.native_fused and x.device.type == "cpu":
+            return "native"
+        return None
 
     def _bidirectional(self, q, k, v1, mask):
-        if self._fuses(q):
-            bf16 = self.feature_dtype == "bfloat16"
+        kernel, bf16 = self._fused_kernel(q), self.feature_dtype == "bfloat16"
+        if kernel == "triton":
+            return triton_fused_products(q, k, v1, self._coefficients, bf16), None
+        if kernel == "native":
             return native_fused_products(q, k, v1, self._scale, self._compiler, bf16), None
         return super()._bidirectional(q, k, v1, mask)
 
@@ -221,7 +255,7 @@ class MaclaurinAttention(FeatureAttention):
         entry = q[:1].numel() // q.shape[-1] * self.num_features * rows.itemsize
         slices = batch_slices(q, max(1, entry * PIECE_BYTES // PIECE_FEATURE_BYTES))
         # The fused kernel keeps no feature rows: the whole batch at once.
-        if len(slices) == 1 or self.collect_stats or (not causal and self._fuses(q)):
+        if len(slices) == 1 or self.collect_stats or (not causal and self._fused_kernel(q)):
             return super().attend_now(q, k, v, key_padding_mask, causal)
         step = slices[0].stop
         masks = [None] * len(slices) if key_padding_mask is None else key_padding_mask.split(step)
