@@ -23,7 +23,8 @@ Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``sof
 ``macformer_native`` (the same with ``native_map: true``: the native map on CPUs),
 ``macformer_fused`` (maclaurin_ppsbn_fused.yaml: map and products fused, float32: the native
 kernel on CPUs, Triton's on GPUs), ``macformer_fused_bf16`` (the same with ``feature_dtype:
-bfloat16``: bfloat16 dot products),
+bfloat16``: bfloat16 dot products), ``macformer_auto`` (maclaurin_ppsbn_auto.yaml: the
+kernels this machine chooses),
 ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
 in the default set), and
@@ -244,6 +245,9 @@ def all_backends(config_dir: Path) -> list[Backend]:
                 {**attention_yaml(config_dir, "maclaurin_ppsbn_fused"),
                  "feature_dtype": "bfloat16"},
                 "attention/maclaurin_ppsbn_fused.yaml + feature_dtype: bfloat16"),
+        Backend("macformer_auto", "degree-2 Maclaurin + ppSBN, kernels chosen by the machine",
+                attention_yaml(config_dir, "maclaurin_ppsbn_auto"),
+                "attention/maclaurin_ppsbn_auto.yaml"),
         Backend("maclaurin_nosbn", "degree-2 Maclaurin, no ppSBN",
                 attention_yaml(config_dir, "maclaurin"), "attention/maclaurin.yaml"),
         Backend("release", "RMFA as released (prefix sums, row pre-SBN)",

@@ -61,11 +61,21 @@ def _git(*args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
+# The package's code: Python, and the C++ its native kernels build from (attention/csrc/;
+# commits before those files existed hash as they did).
+SOURCE_SUFFIXES = (".py", ".cpp", ".h")
+
+
 def package_digest() -> str:
-    """sha256 of the package's Python files (paths and bytes): two commits that did not
-    change the package's code share it, and so do two runs from one uncommitted tree."""
-    files = sorted(PACKAGE_DIR.rglob("*.py"))
-    return _digest((p.relative_to(PACKAGE_DIR).as_posix(), p.read_bytes) for p in files)
+    """sha256 of the package's source files (paths and bytes, SOURCE_SUFFIXES): two commits
+    that did not change the package's code share it, and so do two runs from one uncommitted
+    tree."""
+    files = {
+        p.relative_to(PACKAGE_DIR).as_posix(): p.read_bytes
+        for p in PACKAGE_DIR.rglob("*")
+        if p.suffix in SOURCE_SUFFIXES and p.is_file()
+    }
+    return _digest((name, files[name]) for name in sorted(files))
 
 
 def _digest(files) -> str:
@@ -87,7 +97,7 @@ def digest_at(commit: str) -> str:
     names = sorted(
         Path(n).relative_to("macformer_lit").as_posix()
         for n in listing.split("\0")
-        if n.endswith(".py")
+        if n.endswith(SOURCE_SUFFIXES)
     )
 
     def show(name: str):
@@ -152,6 +162,30 @@ def cpu_model() -> str:
     return platform.processor() or UNKNOWN
 
 
+# The CPU features the kernels choose by (attention/maclaurin.py, choose_kernels).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> list[str]:
+    """Which of CPU_FLAGS /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in CPU_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def attention_kernels(module) -> list[str]:
+    """The kernels each distinct attention of ``module`` runs (``kernel_choice``: the options
+    on, or what ``auto_kernels`` chose on this machine)."""
+    if module is None:
+        return []
+    return sorted({m.kernel_choice for m in module.modules() if hasattr(m, "kernel_choice")})
+
+
 def machine(trainer) -> dict[str, Any]:
     import torch
 
@@ -165,6 +199,7 @@ def machine(trainer) -> dict[str, Any]:
         "devices": devices,
         "num_nodes": trainer.num_nodes,
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_cores": cores,
         "threads": torch.get_num_threads(),
     }
@@ -194,6 +229,9 @@ def entry(
         "precision": {"asked": asked_precision, "used": str(trainer.precision)},
         "world_size": trainer.world_size,
     }
+    kernels = attention_kernels(trainer.lightning_module)
+    if kernels:
+        record["attention_kernels"] = kernels
     if checkpoint:
         record["checkpoint"] = dict(checkpoint)
     if changes:

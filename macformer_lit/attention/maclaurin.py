@@ -77,6 +77,43 @@ def cxx_compiler() -> str | None:
     return next((path for name in names if (path := shutil.which(name))), None)
 
 
+def describe_kernels(**options: Any) -> str:
+    """The kernel options in one line: those on, and the rows' dtype."""
+    on = [name for name, value in options.items() if value is True]
+    return f"{'+'.join(on) or 'eager'}, {options['feature_dtype']}"
+
+
+def choose_kernels(head_dim: int, degree: int) -> dict[str, Any]:
+    """The fastest kernels this machine has for the degree-2 map, as measured
+    (benchmarks/README.md, "Choosing the kernels"): on a machine with a CUDA GPU and triton,
+    the Triton fused kernels; on the CPU, with a C++ compiler, the native map and the native
+    fused kernels (head sizes they take); bfloat16 rows and products where the CPU multiplies
+    bfloat16 pairs (AVX512-BF16: the fused ListOps step 0.369x eager softmax's against 0.398x
+    in float32, 0.661x against 0.781x at N = 1,000, the 2-core AMD EPYC) or a GPU takes them,
+    float32 elsewhere. Degree 1 has no kernels: eager. Returns the options and ``why``."""
+    if degree != 2:
+        off = dict(native_map=False, native_fused=False, triton_fused=False)
+        return dict(**off, feature_dtype="float32", why="eager (degree 1 has no kernels), float32")
+    gpu = torch.cuda.is_available() and triton_available() and head_dim <= TRITON_MAX_HEAD_DIM
+    compiler = cxx_compiler()
+    native_map = compiler is not None and head_dim <= MAX_HEAD_DIM
+    native_fused = compiler is not None and head_dim in FUSED_HEAD_DIMS
+    cpu_bf16 = native_fused and bool(library(compiler, "native_fused").maclaurin2_bf16_dot())
+    bf16 = cpu_bf16 or gpu
+    options = dict(native_map=native_map, native_fused=native_fused, triton_fused=gpu)
+    reasons = []
+    if gpu:
+        reasons.append("CUDA GPU with triton")
+    reasons.append(
+        "CPU with AVX512-BF16" if cpu_bf16
+        else "CPU with a C++ compiler" if native_map
+        else "CPU without a C++ compiler"
+    )  # fmt: skip
+    dtype = "bfloat16" if bf16 else "float32"
+    why = f"{describe_kernels(**options, feature_dtype=dtype)} ({'; '.join(reasons)})"
+    return dict(**options, feature_dtype=dtype, why=why)
+
+
 class MaclaurinAttention(FeatureAttention):
     # Degree 2 is positive for every registered kernel, degree 1 is not: the denominator
     # policy tests against eps·n, as for signed random features.
@@ -95,6 +132,7 @@ class MaclaurinAttention(FeatureAttention):
         native_map: bool = False,
         native_fused: bool = False,
         triton_fused: bool = False,
+        auto_kernels: bool = False,
         **common: Any,
     ) -> None:
         """``feature_dtype``: the dtype of the feature rows and of the two products (the
@@ -108,8 +146,41 @@ class MaclaurinAttention(FeatureAttention):
         multiplied by the CPU's bfloat16 dot products; head_dim 16, 32, 48 or 64).
         ``triton_fused``: the same on CUDA float32 tensors with Triton kernels
         (triton_fused.py; head_dim up to 64; a machine with a GPU needs the ``triton``
-        package; CPU tensors are left to ``native_fused``)."""
+        package; CPU tensors are left to ``native_fused``). ``auto_kernels``: the four
+        kernel options and ``feature_dtype`` chosen by this machine (``choose_kernels``),
+        the choice in ``kernel_choice`` and in the run's provenance."""
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
+        if auto_kernels:
+            asked = [
+                name
+                for name, on in (
+                    ("compile_map", compile_map),
+                    ("native_map", native_map),
+                    ("native_fused", native_fused),
+                    ("triton_fused", triton_fused),
+                    ("feature_dtype: bfloat16", feature_dtype != "float32"),
+                )
+                if on
+            ]
+            if asked:
+                raise ValueError(
+                    f"auto_kernels: true chooses the kernels and feature_dtype by the machine; "
+                    f"this config also sets {', '.join(asked)}: drop it, or set "
+                    "auto_kernels: false"
+                )
+            choice = choose_kernels(head_dim, degree)
+            native_map, native_fused = choice["native_map"], choice["native_fused"]
+            triton_fused, feature_dtype = choice["triton_fused"], choice["feature_dtype"]
+            self.kernel_choice = "auto: " + choice["why"]
+        else:
+            self.kernel_choice = describe_kernels(
+                compile_map=compile_map,
+                native_map=native_map,
+                native_fused=native_fused,
+                triton_fused=triton_fused,
+                feature_dtype=feature_dtype,
+            )
+        self.auto_kernels = auto_kernels
         if degree not in (1, 2):
             raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
         if feature_dtype not in FEATURE_DTYPES:
@@ -187,7 +258,7 @@ class MaclaurinAttention(FeatureAttention):
             f"kernel={self.kernel.name}, degree={self.degree}, features={self.num_features}, "
             f"feature_dtype={self.feature_dtype}, compile_map={self.compile_map}, "
             f"native_map={self.native_map}, native_fused={self.native_fused}, "
-            f"triton_fused={self.triton_fused}"
+            f"triton_fused={self.triton_fused}, auto_kernels={self.auto_kernels}"
         )
 
     def _rows_dtype(self, dtype: torch.dtype) -> torch.dtype:

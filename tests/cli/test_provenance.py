@@ -53,6 +53,8 @@ def test_a_fit_records_what_ran(fitted):
     machine = entry["machine"]
     assert machine["devices"] == ["cpu"] and machine["threads"] == torch.get_num_threads()
     assert machine["cpu"] == provenance.cpu_model()
+    assert machine["cpu_flags"] == provenance.cpu_flags()
+    assert "attention_kernels" not in entry  # softmax: no kernel options
     assert entry["precision"] == {"asked": None, "used": "32-true"}
     assert entry["world_size"] == 1
     # Every checkpoint carries the config it trained with.
@@ -60,6 +62,18 @@ def test_a_fit_records_what_ran(fitted):
     recorded = ckpt[provenance.CHECKPOINT_KEY]
     assert recorded["config"]["trainer"]["max_steps"] == 4
     assert recorded["precision"] == "32-true" and recorded["world_size"] == 1
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_a_fit_records_the_attention_kernels_the_machine_chose(tmp_path):
+    """auto_kernels chooses by the machine: the record says what it chose (one line, the
+    same for both layers; attention/maclaurin.py, choose_kernels)."""
+    main(tiny(tmp_path, "fit", "--config", "attention/maclaurin_ppsbn_auto.yaml",
+              "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
+              "--experiment", "auto"))  # fmt: skip
+    (entry,) = provenance.read(tmp_path / "runs/auto/version_0")
+    (choice,) = entry["attention_kernels"]
+    assert choice.startswith("auto: native_map+native_fused"), choice
 
 
 def test_an_evaluation_records_its_checkpoint(fitted):
@@ -239,7 +253,9 @@ def test_digest_at_a_commit_equals_the_digest_of_that_checkout(tmp_path):
         tar.extractall(tmp_path, filter="data")
     package = tmp_path / "macformer_lit"
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
+    sources = [p for p in package.rglob("*") if p.suffix in (".py", ".cpp", ".h")]
+    assert any(p.suffix == ".cpp" for p in sources)  # the native kernels' C++ counts too
+    for path in sorted(sources, key=lambda p: p.relative_to(package).as_posix()):
         digest.update(path.relative_to(package).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     assert provenance.digest_at("HEAD") == "sha256:" + digest.hexdigest()[:16]
