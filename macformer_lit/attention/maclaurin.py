@@ -44,7 +44,7 @@ from .native_map import MAX_HEAD_DIM, library, native_maclaurin_rows
 from .pieces import PIECE_BYTES, batch_slices
 from .triton_fused import MAX_HEAD_DIM as TRITON_MAX_HEAD_DIM
 from .triton_fused import runs_on as triton_runs_on
-from .triton_fused import triton_available, triton_fused_products
+from .triton_fused import triton_available, triton_causal_products, triton_fused_products
 
 # Bytes of the feature rows of one piece of the batch: a few batch entries at N ~ 1,000.
 PIECE_FEATURE_BYTES = 16 << 20
@@ -144,8 +144,8 @@ class MaclaurinAttention(FeatureAttention):
         native kernel a direction (native_fused.py: the rows never reach memory; with
         ``feature_dtype: bfloat16`` the products' inputs are rounded to bfloat16 and
         multiplied by the CPU's bfloat16 dot products; head_dim 16, 32, 48 or 64).
-        ``triton_fused``: the same on CUDA float32 tensors with Triton kernels
-        (triton_fused.py; head_dim up to 64; a machine with a GPU needs the ``triton``
+        ``triton_fused``: the same on CUDA float32 tensors with Triton kernels, causal
+        calls too (triton_fused.py; head_dim up to 64; a machine with a GPU needs the ``triton``
         package; CPU tensors are left to ``native_fused``). ``auto_kernels``: the four
         kernel options and ``feature_dtype`` chosen by this machine (``choose_kernels``),
         the choice in ``kernel_choice`` and in the run's provenance."""
@@ -308,6 +308,12 @@ class MaclaurinAttention(FeatureAttention):
         if kernel == "native":
             return native_fused_products(q, k, v1, self._scale, self._compiler, bf16), None
         return super()._bidirectional(q, k, v1, mask)
+
+    def _causal(self, q, k, v1, mask):
+        if self._fused_kernel(q) == "triton":
+            bf16 = self.feature_dtype == "bfloat16"
+            return triton_causal_products(q, k, v1, self._coefficients, self.chunk_size, bf16), None
+        return super()._causal(q, k, v1, mask)
 
     def _key_features(self, k, keep, floor):
         return KeyFeatures(self._map(k, keys=True), None)

@@ -1,6 +1,7 @@
-"""Bidirectional degree-2 Maclaurin attention with the map fused into its two products, as
-Triton kernels (GPUs; on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``, which is
-how the tests check them without a GPU). docs/maths.md §14, fused products.
+"""Degree-2 Maclaurin attention with the map fused into its two products, as Triton kernels,
+bidirectional and (chunk by chunk, at the end of this file) causal: GPUs, or the CPU under
+Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a
+GPU. docs/maths.md §14, fused products.
 
 The degree-2 map's inner product is a polynomial of x'·y' (x' = x·d^-1/4):
 φ(x)·φ(y) = a0 + a1 (x'·y') + a2 (x'·y')², so with ψ(x) = [1, x', x'⊗x'] (the full outer
@@ -143,3 +144,80 @@ def triton_fused_products(q, k, v1, coef, bf16: bool = False) -> torch.Tensor:
     attention with the Maclaurin coefficients ``coef`` = (a0, a1, a2), without feature rows
     in memory (float32 tensors on a CUDA device, or the CPU under the interpreter)."""
     return TritonFusedProducts.apply(q, k, v1, tuple(float(a) for a in coef), bf16)
+
+
+# ---- causal: the same kernels chunk by chunk -------------------------------------------------
+def _weigh(S: torch.Tensor, coef) -> torch.Tensor:
+    """S (..., 1 + d + d², e) with its blocks times (a0, a1, a2): the state's gradient through
+    ``Σ_j a_j ψ_j(x)ᵀ S_j``."""
+    d = S.shape[-1] - 1
+    a = torch.cat(
+        [S.new_full((1,), coef[0]), S.new_full((d,), coef[1]), S.new_full((d * d,), coef[2])]
+    )
+    return S * a[:, None]
+
+
+class TritonState(torch.autograd.Function):
+    """S = Σ_l ψ(x_l) y_lᵀ (unweighted) per group of x (..., L, d), y (..., L, d+1)."""
+
+    @staticmethod
+    def forward(ctx, x, y, bf16):
+        x, y = x.contiguous(), y.contiguous()
+        ctx.save_for_backward(x, y)
+        ctx.bf16 = bf16
+        return _state(x, y, bf16)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gS):
+        x, y = ctx.saved_tensors
+        gS, ones = gS.contiguous(), (1.0, 1.0, 1.0)
+        gx = _pullback(x, gS, y, ones, ctx.bf16) if ctx.needs_input_grad[0] else None
+        gy = _apply(x, gS, ones, ctx.bf16) if ctx.needs_input_grad[1] else None
+        return gx, gy, None
+
+
+class TritonApply(torch.autograd.Function):
+    """out = Σ_j a_j ψ_j(x_l)ᵀ S_j per group of x (..., L, d), S (..., 1 + d + d², d+1)."""
+
+    @staticmethod
+    def forward(ctx, x, S, coef, bf16):
+        x, S = x.contiguous(), S.contiguous()
+        ctx.save_for_backward(x, S)
+        ctx.coef, ctx.bf16 = coef, bf16
+        return _apply(x, S, coef, bf16)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, S = ctx.saved_tensors
+        g = g.contiguous()
+        gx = _pullback(x, S, g, ctx.coef, ctx.bf16) if ctx.needs_input_grad[0] else None
+        gS = _weigh(_state(x, g, ctx.bf16), ctx.coef) if ctx.needs_input_grad[1] else None
+        return gx, gS, None, None
+
+
+def triton_causal_products(q, k, v1, coef, chunk: int, bf16: bool = False) -> torch.Tensor:
+    """[numerator, denominator] (..., N, d+1) of the causal degree-2 Maclaurin attention, query
+    i over keys j ≤ i, in chunks of ``chunk`` positions: across chunks the state kernel's
+    ΔS_c = Σ_{l in c} ψ(k_l) [v_l, 1]ᵀ, summed over the chunks before (an exclusive cumsum)
+    and applied to the chunk's queries by the apply kernel; within a chunk the kernel itself,
+    a0 + a1 s + a2 s² with s = q·k/√d, masked to j ≤ i and multiplied by [v, 1]. No feature
+    rows in memory; the chunks' states (1 + d + d² by d+1 each) are kept for the backward, as
+    the chunked eager path keeps its (docs/maths.md §14)."""
+    coef = tuple(float(a) for a in coef)
+    N, d = q.shape[-2], q.shape[-1]
+    C = min(chunk, N)
+    pad = -N % C
+    if pad:
+        q, k, v1 = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
+    nc = (N + pad) // C
+    q, k, v1 = (t.reshape(*t.shape[:-2], nc, C, t.shape[-1]) for t in (q, k, v1))
+    delta = TritonState.apply(k, v1, bf16)  # (..., nc, 1 + d + d², d + 1)
+    before = delta.cumsum(-3) - delta
+    inter = TritonApply.apply(q, before, coef, bf16)
+    s = (q @ k.transpose(-1, -2)) * d**-0.5
+    tril = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    weights = (coef[0] + s * (coef[1] + coef[2] * s)).masked_fill(~tril, 0.0)
+    out = inter + weights @ v1
+    return out.reshape(*out.shape[:-3], nc * C, d + 1)[..., :N, :]

@@ -1,10 +1,10 @@
-"""The Triton fused bidirectional Maclaurin products' numbers (attention/triton_fused.py),
+"""The Triton fused Maclaurin products' numbers (attention/triton_fused.py),
 run by test_triton_fused.py in a process of their own: on a machine without a GPU under
 Triton's interpreter (``TRITON_INTERPRET=1``, which must be set before triton.language is
 imported: its standard functions are built then). Within float32's rounding of the float64
 products and of their exact gradients, with bfloat16 inputs within the fast options' bound,
-no feature rows kept for the backward, the attention equal to the unfused float32 one (causal
-calls and float64 untouched)."""
+no feature rows kept for the backward, the attention equal to the unfused float32 one
+(bidirectional and causal; float64 untouched)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from macformer_lit.attention import build_attention
+from macformer_lit.attention import maclaurin as maclaurin_module
 from macformer_lit.attention.maclaurin import maclaurin_rows
 from macformer_lit.attention.triton_fused import runs_on, triton_fused_products
 
@@ -102,11 +103,27 @@ def test_no_feature_rows_kept_for_the_backward():
     assert max(kept_fused) < one_side and sum(kept_fused) < 2 * one_side, kept_fused
 
 
+def _spied(monkeypatch):
+    """Calls of the two Triton entry points, counted (so a match with the unfused path is not
+    the unfused path itself)."""
+    calls = []
+    for name in ("triton_fused_products", "triton_causal_products"):
+        real = getattr(maclaurin_module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(maclaurin_module, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_attention_equals_the_unfused_float32_one(causal):
-    """In ppSBN with padding: bidirectional, the fused products agree with the float32 GEMMs
-    to float32 rounding (forward and the three gradients); causal calls do not take the fused
-    kernels (the same bits)."""
+def test_attention_equals_the_unfused_float32_one(causal, monkeypatch):
+    """In ppSBN with padding, N = 90 (causal: a chunk of 64 and a part), the Triton kernels
+    agree with the float32 GEMMs to float32 rounding, forward and the three gradients (causal:
+    the chunks' states through the state and apply kernels, the chunk itself through its
+    kernel values)."""
     spec = dict(name="maclaurin", pre_sbn=True, post_sbn=True, temperature_max=32.0)
     unfused = build_attention(spec, head_dim=16, num_heads=2).to(DEVICE)
     fused = build_attention({**spec, "triton_fused": True}, head_dim=16, num_heads=2)
@@ -117,19 +134,19 @@ def test_attention_equals_the_unfused_float32_one(causal):
     mask = torch.ones(2, 90, dtype=torch.bool, device=DEVICE)
     mask[1, 60:] = False
     results = []
+    calls = _spied(monkeypatch)
     for attn in (unfused, fused):
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         out = attn(q, k, v, key_padding_mask=mask, causal=causal)
         (out * mask[:, None, :, None]).square().sum().backward()
         results.append((out, q.grad, k.grad, v.grad))
+    assert calls == ["triton_causal_products" if causal else "triton_fused_products"]
     for a, b in zip(*results):
-        if causal:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_bfloat16_inputs_within_the_fast_options_bound():
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_bfloat16_inputs_within_the_fast_options_bound(causal):
     """With ``feature_dtype: bfloat16`` the products' inputs are rounded as the unfused
     bfloat16 GEMMs round them (at most the same five roundings): within the fast options'
     per-entry bound (test_maclaurin_fast.py), and not float32 (the rows are rounded)."""
@@ -138,13 +155,14 @@ def test_bfloat16_inputs_within_the_fast_options_bound():
     q, k, v, mask = (t.to(DEVICE) for t in _inputs(0, B=2, H=1, N=150, tau=16.0))
     spec = dict(feature_dtype="bfloat16", triton_fused=True)
     attn = build_attention(dict(name="maclaurin", **spec), head_dim=32, num_heads=1)
-    exact, bound = rounding_bound(attn, q.cpu(), k.cpu(), v.cpu(), mask.cpu(), False)
-    out = attn.to(DEVICE)(q, k, v, key_padding_mask=mask).cpu().double()
+    exact, bound = rounding_bound(attn, q.cpu(), k.cpu(), v.cpu(), mask.cpu(), causal)
+    out = attn.to(DEVICE)(q, k, v, key_padding_mask=mask, causal=causal).cpu().double()
     err = (out - exact).abs()
     assert (err <= bound).all(), float((err / bound).max())
     assert bound.isfinite().float().mean() > 0.999
     float32 = build_attention("maclaurin", head_dim=32, num_heads=1).to(DEVICE)
-    err32 = (float32(q, k, v, key_padding_mask=mask).cpu().double() - exact).abs()
+    err32 = float32(q, k, v, key_padding_mask=mask, causal=causal).cpu().double() - exact
+    err32 = err32.abs()
     assert err.max() > 100 * err32.max()
 
 
