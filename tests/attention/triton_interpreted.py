@@ -10,31 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_support import assert_within_float32_rounding, saved_sizes
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import maclaurin as maclaurin_module
-from macformer_lit.attention.maclaurin import maclaurin_rows
 from macformer_lit.attention.triton_fused import runs_on, triton_fused_products
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-U32 = 2.0**-24
 if not runs_on(torch.empty(0, device=DEVICE)):
     pytest.exit("run by test_triton_fused.py: TRITON_INTERPRET=1 without a GPU", returncode=4)
 
 
 def _attention(d, **options):
     return build_attention(dict(name="maclaurin", **options), head_dim=d, num_heads=1)
-
-
-def _products(q, k, v1, scale):
-    """φ(q)ᵀ[φ(k)ᵀ v1] from the eager map (the weighted upper triangle), in q's dtype."""
-    phi_q = maclaurin_rows(q, scale.to(q.dtype), 2, q.dtype)
-    phi_k = maclaurin_rows(k, scale.to(q.dtype), 2, q.dtype)
-    return phi_q @ (phi_k.transpose(-1, -2) @ v1)
-
-
-def _gamma(n):
-    return n * U32 / (1 - n * U32)
 
 
 # 16: one tile of head size; 48: padded to 64 (masked columns); N = 37 and M = 150: a part
@@ -53,39 +41,11 @@ def test_products_and_gradients_within_float32_rounding(d):
     q, k = torch.randn(1, 2, N, d, generator=gen), torch.randn(1, 2, M, d, generator=gen)
     v1, g = torch.randn(1, 2, M, d + 1, generator=gen), torch.randn(1, 2, N, d + 1, generator=gen)
     attn = _attention(d)
-    scale, coef = attn._scale, attn._coefficients
-    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v1)]
-    fused = triton_fused_products(*leaves, coef)
-    fused_grads = torch.autograd.grad(fused, leaves, g.to(DEVICE))
-    exact64 = [t.double().requires_grad_() for t in (q, k, v1)]
-    exact = _products(*exact64, scale.double())
-    exact_grads = torch.autograd.grad(exact, exact64, g.double())
-    size64 = [t.double().abs().requires_grad_() for t in (q, k, v1)]
-    size = _products(*size64, scale.double())
-    size_grads = torch.autograd.grad(size, size64, g.double().abs())
-    bound = _gamma(max(N, M) + 1 + d + d * d + 3 * (d + 1) + 16)
-    for name, a, b, s in zip(
-        ["out", "∂q", "∂k", "∂v1"],
-        [fused, *fused_grads],
-        [exact, *exact_grads],
-        [size, *size_grads],
-    ):
-        err = (a.detach().cpu().double() - b).abs()
-        assert a.dtype == torch.float32 and a.shape == b.shape, name
-        assert (err <= bound * s).all(), (name, float((err / (bound * s)).max()))
-        assert err.max() > 0, name  # float32, not float64: the bound is not met vacuously
-
-
-def _saved(fn):
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sizes
+    assert_within_float32_rounding(
+        lambda *leaves: triton_fused_products(*leaves, attn._coefficients),
+        q, k, v1, g, attn._scale, steps=max(N, M) + 1 + d + d * d + 3 * (d + 1) + 16,
+        device=DEVICE,
+    )  # fmt: skip
 
 
 def test_no_feature_rows_kept_for_the_backward():
@@ -97,8 +57,8 @@ def test_no_feature_rows_kept_for_the_backward():
     fused = fused.to(DEVICE)
     q, k, v = (torch.randn(1, 2, 256, 16, device=DEVICE, requires_grad=True) for _ in "qkv")
     one_side = 1 * 2 * 256 * 153 * 4
-    kept_unfused = _saved(lambda: unfused(q, k, v))
-    kept_fused = _saved(lambda: fused(q, k, v))
+    kept_unfused = saved_sizes(lambda: unfused(q, k, v))
+    kept_fused = saved_sizes(lambda: fused(q, k, v))
     assert sum(kept_unfused) > 2 * one_side
     assert max(kept_fused) < one_side and sum(kept_fused) < 2 * one_side, kept_fused
 
