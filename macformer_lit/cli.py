@@ -190,7 +190,7 @@ class MacformerCLI(LightningCLI):
                 # fit/validate/test/predict --help end with the attention backends' options.
                 **{
                     name: {"epilog": describe_backends(), "formatter_class": _HelpFormatter}
-                    for name in ("fit", "validate", "test", "predict")
+                    for name in self.subcommands()
                 },
             },
             parser_class=_Parser,

@@ -254,7 +254,18 @@ def resolve_settings(cmd: list[str]) -> dict[str, Any] | str | None:
     nothing built."""
     from macformer_lit import cli  # torch and Lightning: only once runs are checked
 
+    args = cmd[cmd.index("macformer_lit") + 1 :]
+    every = cli.MacformerCLI.subcommands()
+
     class Resolve(cli.MacformerCLI):
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:
+            # Only the point's own subcommand's parser: each one takes about as long to
+            # build as the parse (a screen report builds dozens). The same parser the run's
+            # CLI parses with, so the same config; an unknown subcommand gets all of them
+            # (and the parser's own error).
+            return {args[0]: every[args[0]]} if args and args[0] in every else every
+
         def parse_arguments(self, parser, args) -> None:
             super().parse_arguments(parser, args)  # with the CLI's checks (preflight)
             sub = self.config["subcommand"]
@@ -266,7 +277,7 @@ def resolve_settings(cmd: list[str]) -> dict[str, Any] | str | None:
             # LightningCLI warns when given args while sys.argv holds the sweep's own: here
             # that is the point (the point's command line is parsed in the sweep process).
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run")
-            Resolve(cmd[cmd.index("macformer_lit") + 1 :])
+            Resolve(args)
     except _Resolved as done:
         return yamlio.load(done.args[0])
     except SystemExit as err:  # UsageError, an unknown config, --help
