@@ -286,10 +286,11 @@ class MaclaurinAttention(FeatureAttention):
         return phi.transpose(-1, -2)
 
     def _fused_kernel(self, x) -> str | None:
-        """Which fused kernel a bidirectional call on x takes, if any: ``triton_fused`` on a
-        CUDA tensor (or a CPU one under Triton's interpreter), else ``native_fused`` on a CPU
-        tensor; computed in float32 (not float64), not under torch.compile (a kernel call
-        outside the graph would break it)."""
+        """Which fused kernel a call on x takes, if any: ``triton_fused`` on a CUDA tensor (or
+        a CPU one under Triton's interpreter), bidirectional or causal; else ``native_fused``
+        on a CPU tensor, bidirectional only (``_causal`` asks for Triton's alone); computed in
+        float32 (not float64), not under torch.compile (a kernel call outside the graph would
+        break it)."""
         if (
             torch.promote_types(x.dtype, torch.float32) != torch.float32
             or torch.compiler.is_compiling()
@@ -331,7 +332,7 @@ class MaclaurinAttention(FeatureAttention):
         rows = self._rows_dtype(torch.promote_types(q.dtype, torch.float32))
         entry = q[:1].numel() // q.shape[-1] * self.num_features * rows.itemsize
         slices = batch_slices(q, max(1, entry * PIECE_BYTES // PIECE_FEATURE_BYTES))
-        # The fused kernel keeps no feature rows: the whole batch at once.
+        # The fused kernels keep no feature rows: a bidirectional call's whole batch at once.
         if len(slices) == 1 or self.collect_stats or (not causal and self._fused_kernel(q)):
             return super().attend_now(q, k, v, key_padding_mask, causal)
         step = slices[0].stop
