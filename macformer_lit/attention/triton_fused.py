@@ -109,44 +109,7 @@ def _pullback(x, S, y, coef, bf16):
     return gx
 
 
-class TritonFusedProducts(torch.autograd.Function):
-    """Σ_j a_j ψ_j(q)ᵀ[ψ_j(k)ᵀ v1] for q (..., N, d), k (..., M, d), v1 (..., M, d+1), float32
-    on one device: (..., N, d+1). ``coef`` = (a0, a1, a2), the kernel's Maclaurin
-    coefficients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v1, coef, bf16):
-        q, k, v1 = q.contiguous(), k.contiguous(), v1.contiguous()
-        S = _state(k, v1, bf16)
-        out = _apply(q, S, coef, bf16)
-        ctx.save_for_backward(q, k, v1, S)
-        ctx.coef, ctx.bf16 = coef, bf16
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g):
-        q, k, v1, S = ctx.saved_tensors
-        coef, bf16 = ctx.coef, ctx.bf16
-        g = g.contiguous()
-        need_q, need_k, need_v1 = ctx.needs_input_grad[:3]
-        gq = _pullback(q, S, g, coef, bf16) if need_q else None
-        gk = gv1 = None
-        if need_k or need_v1:
-            gS = _state(q, g, bf16)
-            gv1 = _apply(k, gS, coef, bf16) if need_v1 else None
-            gk = _pullback(k, gS, v1, coef, bf16) if need_k else None
-        return gq, gk, gv1, None, None
-
-
-def triton_fused_products(q, k, v1, coef, bf16: bool = False) -> torch.Tensor:
-    """[numerator, denominator] (..., N, d+1) of the bidirectional degree-2 Maclaurin
-    attention with the Maclaurin coefficients ``coef`` = (a0, a1, a2), without feature rows
-    in memory (float32 tensors on a CUDA device, or the CPU under the interpreter)."""
-    return TritonFusedProducts.apply(q, k, v1, tuple(float(a) for a in coef), bf16)
-
-
-# ---- causal: the same kernels chunk by chunk -------------------------------------------------
+# ---- the two kernels' Functions, and the attention bidirectional and causal ----------------
 def _weigh(S: torch.Tensor, coef) -> torch.Tensor:
     """S (..., 1 + d + d², e) with its blocks times (a0, a1, a2): the state's gradient through
     ``Σ_j a_j ψ_j(x)ᵀ S_j``."""
@@ -195,6 +158,15 @@ class TritonApply(torch.autograd.Function):
         gx = _pullback(x, S, g, ctx.coef, ctx.bf16) if ctx.needs_input_grad[0] else None
         gS = _weigh(_state(x, g, ctx.bf16), ctx.coef) if ctx.needs_input_grad[1] else None
         return gx, gS, None, None
+
+
+def triton_fused_products(q, k, v1, coef, bf16: bool = False) -> torch.Tensor:
+    """[numerator, denominator] (..., N, d+1) of the bidirectional degree-2 Maclaurin
+    attention with the Maclaurin coefficients ``coef`` = (a0, a1, a2), without feature rows
+    in memory (float32 tensors on a CUDA device, or the CPU under the interpreter): the
+    apply kernel over the state kernel's S, each Function's backward the kernels again."""
+    coef = tuple(float(a) for a in coef)
+    return TritonApply.apply(q, TritonState.apply(k, v1, bf16), coef, bf16)
 
 
 def triton_causal_products(q, k, v1, coef, chunk: int, bf16: bool = False) -> torch.Tensor:
