@@ -12,7 +12,7 @@ from native_support import CXX, assert_within_float32_rounding, needs_cxx, saved
 from native_support import scale as _scale
 
 from macformer_lit.attention import build_attention
-from macformer_lit.attention.native_fused import native_fused_products
+from macformer_lit.attention.native_fused import bf16_dot, native_fused_products
 
 pytestmark = needs_cxx
 
@@ -36,6 +36,32 @@ def test_products_and_gradients_within_float32_rounding(d):
         lambda *leaves: native_fused_products(*leaves, _scale(d), CXX),
         q, k, v1, g, _scale(d), steps=max(N, M) + D + 3 * (d + 1) + 16,
     )  # fmt: skip
+
+
+@pytest.mark.skipif(CXX is None or not bf16_dot(CXX), reason="no AVX512-BF16 dot products")
+@pytest.mark.parametrize("d", [16, 32, 48, 64])
+def test_bf16_inputs_within_four_roundings(d):
+    """With bfloat16 inputs every term of the products and of the three gradients is a
+    product of four factors rounded to bfloat16 once each (out: φ(q), φ(k), v1 and the state
+    S; ∂q: S's φ(k) and v1, S, ∂out; ∂k: ∂S's φ(q) and ∂out, ∂S, v1; ∂v1: ∂S's two, ∂S,
+    φ(k)), on top of the float32 roundings of the float32 test: within
+    ((1 + 2⁻⁸)⁴(1 + γ_K) − 1)·Σ|terms|; and rounded (each result's worst error relative to
+    Σ|terms| over 100 times the float32 kernel's). N = 37 and M = 70: odd tiles, so a row pairs
+    with zeros; every row block's remainder."""
+    gen = torch.Generator().manual_seed(100 + d)
+    N, M = 37, 70
+    q, k = torch.randn(2, 3, N, d, generator=gen), torch.randn(2, 3, M, d, generator=gen)
+    v1, g = torch.randn(2, 3, M, d + 1, generator=gen), torch.randn(2, 3, N, d + 1, generator=gen)
+    D = 1 + d + d * (d + 1) // 2
+    worst = {}
+    for bf16 in (False, True):
+        worst[bf16] = assert_within_float32_rounding(
+            lambda *leaves, bf16=bf16: native_fused_products(*leaves, _scale(d), CXX, bf16=bf16),
+            q, k, v1, g, _scale(d), steps=max(N, M) + D + 3 * (d + 1) + 16,
+            bf16_roundings=4 if bf16 else 0,
+        )  # fmt: skip
+    for name, low, high in zip(["out", "∂q", "∂k", "∂v1"], worst[True], worst[False]):
+        assert low > 100 * high, (name, low, high)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16_inputs"])

@@ -18,6 +18,8 @@
 
 #include "maclaurin2.h"
 
+#include <type_traits>
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -34,6 +36,25 @@ inline float hsum(vf v) {
     float s = 0.0f;
     for (int i = 0; i < 16; ++i) s += v[i];
     return s;
+}
+
+// fn(B, i) for blocks of B = NB entries from i = 0, then one block of what is left (B < NB):
+// a remainder in one register block of its own size, not entry by entry.
+template <int R, typename F>
+inline void last_block(int64_t rem, int64_t i, F& fn) {
+    if constexpr (R > 0) {
+        if (rem == R)
+            fn(std::integral_constant<int, R>{}, i);
+        else
+            last_block<R - 1>(rem, i, fn);
+    }
+}
+
+template <int NB, typename F>
+inline void in_blocks(int64_t n, F fn) {
+    int64_t i = 0;
+    for (; i + NB <= n; i += NB) fn(std::integral_constant<int, NB>{}, i);
+    last_block<NB - 1>(n - i, i, fn);
 }
 
 constexpr int TILE = 32;  // rows of φ built at once: TILE × D' floats (72 KB at d = 32)
@@ -139,10 +160,9 @@ void apply_tile(const float* x, const float* S, const float* last, const float* 
                 float* out, float* tile, int n, int64_t D, float c) {
     constexpr int d = 16 * DV, e = d + 1, NB = DV == 1 ? 12 : DV == 2 ? 6 : 3;
     map_tile<d>(x, scale, tile, n, D, c);
-    int i = 0;
-    for (; i + NB <= n; i += NB)
-        apply_block<DV, NB>(tile + int64_t(i) * D, D, S, e, out + int64_t(i) * e);
-    for (; i < n; ++i) apply_block<DV, 1>(tile + int64_t(i) * D, D, S, e, out + int64_t(i) * e);
+    in_blocks<NB>(n, [&](auto B, int64_t i) {
+        apply_block<DV, B>(tile + i * D, D, S, e, out + i * e);
+    });
     for (int r = 0; r < n; ++r) out[int64_t(r) * e + d] = dot(tile + int64_t(r) * D, last, D);
 }
 
@@ -197,7 +217,6 @@ constexpr bool HAVE_BF16_DOT = true;
 inline uint32_t pack2(float lo, float hi) {
     return uint32_t(to_bf16(lo)) | (uint32_t(to_bf16(hi)) << 16);
 }
-inline float rounded(float v) { return from_bf16(to_bf16(v)); }
 inline __m512bh words(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh word(uint32_t w) { return (__m512bh)_mm512_set1_epi32(int(w)); }
 inline vf dot2(vf acc, __m512bh a, __m512bh b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
@@ -205,23 +224,16 @@ inline vf dot2(vf acc, __m512bh a, __m512bh b) { return (vf)_mm512_dpbf16_ps((__
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 
-// dot(a, b) of bfloat16 a and float b over n entries: 16 lanes, one reduction.
-inline float dot_bf16(const uint16_t* a, const float* b, int64_t n) {
-    vf acc = vf{};
-    int64_t f = 0;
-    for (; f + 16 <= n; f += 16) {
-        vh h;
-        std::memcpy(&h, a + f, sizeof h);
-        acc += (vf)(__builtin_convertvector(h, vu) << 16) * vload(b + f);
-    }
-    float s = hsum(acc);
-    for (; f < n; ++f) s += from_bf16(a[f]) * b[f];
-    return s;
+// 16 floats rounded to bfloat16 (to_bf16's rule, lane by lane): the bits in each lane's low
+// half; packed two vectors to a word (lo in the low half); or narrowed to 16 bfloat16.
+inline vu bf16_bits(vf f) {
+    const vu u = (vu)f;
+    const vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((u & 0x7FFFFFFFu) > 0x7F800000u);  // all ones where NaN
+    return (r & ~nan) | ((vu{} + 0x7FC0u) & nan);
 }
-
-struct ToBf16 {
-    uint16_t operator()(float v) const { return to_bf16(v); }
-};
+inline vu pack2v(vf lo, vf hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+inline vh round16(vf f) { return __builtin_convertvector(bf16_bits(f), vh); }
 
 // S[f][0:d] += Σ_pairs P[p][f]·Y[p][0:d], P and Y two rows to a word.
 template <int DV, int FB>
@@ -246,33 +258,52 @@ inline void state_block_bf16(const uint32_t* P, int64_t D, const uint32_t* Y, in
 
 template <int DV>
 void state_group_bf16(const float* x, const float* y, const float* scale, float* S, float* last,
-                      uint16_t* rows, uint32_t* P, uint32_t* Y, int64_t L, int64_t D, float c) {
-    constexpr int d = 16 * DV, e = d + 1, FB = DV == 1 ? 16 : DV == 2 ? 12 : 6;
+                      float* tile, uint32_t* P, uint32_t* Y, int64_t L, int64_t D, float c) {
+    constexpr int d = 16 * DV, e = d + 1, FB = DV == 1 ? 16 : DV == 2 ? 8 : 6;
+    uint32_t yl[TILE / 2];  // the last column of y, two rows to a word
     for (int64_t i = 0; i < D * e; ++i) S[i] = 0.0f;
     for (int64_t f = 0; f < D; ++f) last[f] = 0.0f;
     for (int64_t r0 = 0; r0 < L; r0 += TILE) {
         const int n = int(L - r0 < TILE ? L - r0 : TILE), np = (n + 1) / 2;
         const float* yt = y + r0 * e;
-        forward_rows<MAP_DT<d>>(x + r0 * d, scale, rows, 0, n, d, D, c, ToBf16{});
+        map_tile<d>(x + r0 * d, scale, tile, n, D, c);
         if (n % 2)
-            for (int64_t f = 0; f < D; ++f) rows[int64_t(n) * D + f] = 0;  // the odd row's pair
+            for (int64_t f = 0; f < D; ++f) tile[int64_t(n) * D + f] = 0.0f;  // the odd row's pair
         for (int p = 0; p < np; ++p) {
-            const uint16_t *a = rows + int64_t(2 * p) * D, *b = a + D;
+            const float *a = tile + int64_t(2 * p) * D, *b = a + D;
             uint32_t* w = P + int64_t(p) * D;
-            for (int64_t f = 0; f < D; ++f) w[f] = uint32_t(a[f]) | (uint32_t(b[f]) << 16);
+            int64_t f = 0;
+            for (; f + 16 <= D; f += 16) {
+                const vu packed = pack2v(vload(a + f), vload(b + f));
+                std::memcpy(w + f, &packed, sizeof packed);
+            }
+            for (; f < D; ++f) w[f] = pack2(a[f], b[f]);
             const float* ya = yt + int64_t(2 * p) * e;
             const bool pair = 2 * p + 1 < n;
-            for (int col = 0; col < d; ++col)
-                Y[int64_t(p) * d + col] = pack2(ya[col], pair ? ya[e + col] : 0.0f);
+            for (int col = 0; col < e; ++col) {
+                const uint32_t word = pack2(ya[col], pair ? ya[e + col] : 0.0f);
+                if (col < d)
+                    Y[int64_t(p) * d + col] = word;
+                else
+                    yl[p] = word;
+            }
         }
         int64_t f = 0;
         for (; f + FB <= D; f += FB) state_block_bf16<DV, FB>(P, D, Y, np, S, e, f);
         for (; f < D; ++f) state_block_bf16<DV, 1>(P, D, Y, np, S, e, f);
-        for (int r = 0; r < n; ++r) {  // the last column in float32 from the rounded inputs
-            const uint16_t* t = rows + int64_t(r) * D;
-            const float yl = rounded(yt[int64_t(r) * e + d]);
-            for (int64_t g = 0; g < D; ++g) last[g] += from_bf16(t[g]) * yl;
+        // The last column, vectorised over features: last[f] += Σ_p P[p][f]·yl[p].
+        f = 0;
+        for (; f + 16 <= D; f += 16) {
+            vf acc = vload(last + f);
+            for (int p = 0; p < np; ++p) acc = dot2(acc, words(P + int64_t(p) * D + f), word(yl[p]));
+            vstore(last + f, acc);
         }
+        for (; f < D; ++f)
+            for (int p = 0; p < np; ++p) {
+                const uint32_t w = P[int64_t(p) * D + f], v = yl[p];
+                last[f] += from_bf16(uint16_t(w)) * from_bf16(uint16_t(v)) +
+                           from_bf16(uint16_t(w >> 16)) * from_bf16(uint16_t(v >> 16));
+            }
     }
     for (int64_t f = 0; f < D; ++f) S[f * e + d] = last[f];
 }
@@ -300,19 +331,38 @@ inline void apply_block_bf16(const uint16_t* rows, int64_t Dp, const uint32_t* S
 }
 
 template <int DV>
-void apply_tile_bf16(const float* x, const uint32_t* Sp, const float* lastb, const float* scale,
-                     float* out, uint16_t* rows, int n, int64_t D, float c) {
+void apply_tile_bf16(const float* x, const uint32_t* Sp, const uint32_t* lastw, const float* scale,
+                     float* out, float* tile, uint16_t* rows, int n, int64_t D, float c) {
     constexpr int d = 16 * DV, e = d + 1, NB = DV == 1 ? 16 : DV == 2 ? 12 : 6;
     const int64_t Dp = D + D % 2;  // rows padded to whole feature pairs
-    forward_rows<MAP_DT<d>>(x, scale, rows, 0, n, d, Dp, c, ToBf16{});
-    if (Dp > D)
-        for (int r = 0; r < n; ++r) rows[int64_t(r) * Dp + D] = 0;
-    int i = 0;
-    for (; i + NB <= n; i += NB)
-        apply_block_bf16<DV, NB>(rows + int64_t(i) * Dp, Dp, Sp, out + int64_t(i) * e, e);
-    for (; i < n; ++i)
-        apply_block_bf16<DV, 1>(rows + int64_t(i) * Dp, Dp, Sp, out + int64_t(i) * e, e);
-    for (int r = 0; r < n; ++r) out[int64_t(r) * e + d] = dot_bf16(rows + int64_t(r) * Dp, lastb, D);
+    map_tile<d>(x, scale, tile, n, D, c);
+    for (int r = 0; r < n; ++r) {
+        const float* t = tile + int64_t(r) * D;
+        uint16_t* o = rows + int64_t(r) * Dp;
+        int64_t f = 0;
+        for (; f + 16 <= D; f += 16) {
+            const vh h = round16(vload(t + f));
+            std::memcpy(o + f, &h, sizeof h);
+        }
+        for (; f < D; ++f) o[f] = to_bf16(t[f]);
+        if (Dp > D) o[D] = 0;
+    }
+    in_blocks<NB>(n, [&](auto B, int64_t i) {
+        apply_block_bf16<DV, B>(rows + i * Dp, Dp, Sp, out + i * e, e);
+    });
+    // The last column: Σ over feature pairs of the row's pair · the last column's pair.
+    const int64_t W = Dp / 2;
+    for (int r = 0; r < n; ++r) {
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(rows + int64_t(r) * Dp);
+        vf acc = vf{};
+        int64_t q = 0;
+        for (; q + 16 <= W; q += 16) acc = dot2(acc, words(w + q), words(lastw + q));
+        float s = hsum(acc);
+        for (; q < W; ++q)
+            s += from_bf16(uint16_t(w[q])) * from_bf16(uint16_t(lastw[q])) +
+                 from_bf16(uint16_t(w[q] >> 16)) * from_bf16(uint16_t(lastw[q] >> 16));
+        out[int64_t(r) * e + d] = s;
+    }
 }
 
 // hT[f][r] = Σ over column pairs of (S[f][2q], S[f][2q+1])·(y[r][2q], y[r][2q+1]), rows in
@@ -365,14 +415,13 @@ void state_all(const float* x, const float* y, const float* scale, float* S, int
     parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
         std::vector<float> tile(TILE * D), last(D);
 #if defined(__AVX512BF16__)
-        std::vector<uint16_t> rows(bf16 ? TILE * D : 0);
         std::vector<uint32_t> P(bf16 ? TILE / 2 * D : 0), Y(bf16 ? TILE / 2 * d : 0);
 #endif
         for (int64_t g = lo; g < hi; ++g) {
             const float *xg = x + g * L * d, *yg = y + g * L * e;
 #if defined(__AVX512BF16__)
             if (bf16) {
-                state_group_bf16<DV>(xg, yg, scale, S + g * D * e, last.data(), rows.data(),
+                state_group_bf16<DV>(xg, yg, scale, S + g * D * e, last.data(), tile.data(),
                                      P.data(), Y.data(), L, D, c);
                 continue;
             }
@@ -404,15 +453,20 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
                             Sg[2 * q * e + col], 2 * q + 1 < D ? Sg[(2 * q + 1) * e + col] : 0.0f);
             }
         });
-        for (auto& v : last) v = rounded(v);
+        std::vector<uint32_t> lastw(G * (Dp / 2));  // the last column, two features to a word
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t q = 0; q < Dp / 2; ++q)
+                lastw[g * (Dp / 2) + q] =
+                    pack2(last[g * D + 2 * q], 2 * q + 1 < D ? last[g * D + 2 * q + 1] : 0.0f);
         parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
+            std::vector<float> tile(TILE * D);
             std::vector<uint16_t> rows(TILE * Dp);
             for (int64_t item = lo; item < hi; ++item) {
                 const int64_t g = item / tiles, r0 = (item % tiles) * TILE;
                 const int n = int(L - r0 < TILE ? L - r0 : TILE);
                 apply_tile_bf16<DV>(x + (g * L + r0) * d, Sp.data() + g * (Dp / 2) * d,
-                                    last.data() + g * D, scale, out + (g * L + r0) * e,
-                                    rows.data(), n, D, c);
+                                    lastw.data() + g * (Dp / 2), scale,
+                                    out + (g * L + r0) * e, tile.data(), rows.data(), n, D, c);
             }
         });
         return;
