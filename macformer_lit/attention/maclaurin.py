@@ -19,9 +19,9 @@ one backward instead of d slices; a C++ compiler must be on PATH); ``native_map:
 evaluates the degree-2 map of CPU tensors with a hand-written kernel (native_map.py: the
 same rows bit for bit; forward and backward 0.29x of the compiled map's time,
 benchmarks/README.md; built with the C++ compiler on first use); ``native_fused: true``
-runs a bidirectional call's map and both products in one kernel a direction on the CPU
-(native_fused.py: the rows never reach memory; in float32 the ListOps step 0.36x eager
-softmax's, benchmarks/README.md); ``triton_fused: true`` does the same on CUDA tensors
+runs a call's map and both products in one kernel a direction on the CPU, causal calls
+chunk by chunk (native_fused.py: the rows never reach memory; in float32 the ListOps step
+0.36x eager softmax's, benchmarks/README.md); ``triton_fused: true`` does the same on CUDA tensors
 with Triton kernels (triton_fused.py). Tensors that no fused kernel takes get the compiled
 map if ``compile_map`` is on (Triton on a GPU), else the eager one.
 """
@@ -39,7 +39,7 @@ import torch
 from .feature_attention import FeatureAttention, KeyFeatures, QueryFeatures
 from .kernels import get_kernel
 from .native_fused import HEAD_DIMS as FUSED_HEAD_DIMS
-from .native_fused import native_fused_products
+from .native_fused import native_causal_products, native_fused_products
 from .native_map import MAX_HEAD_DIM, library, native_maclaurin_rows
 from .pieces import PIECE_BYTES, batch_slices
 from .triton_fused import MAX_HEAD_DIM as TRITON_MAX_HEAD_DIM
@@ -139,13 +139,13 @@ class MaclaurinAttention(FeatureAttention):
         map itself and the division compute in float32; float64 models stay float64).
         ``compile_map``: evaluate the map with ``torch.compile`` (needs a C++ compiler).
         ``native_map``: evaluate the degree-2 map of CPU tensors with the hand-written
-        kernel of native_map.py (needs a C++ compiler). ``native_fused``: every
-        bidirectional call on CPU float32 tensors runs the map and both products in one
-        native kernel a direction (native_fused.py: the rows never reach memory; with
+        kernel of native_map.py (needs a C++ compiler). ``native_fused``: every call on
+        CPU float32 tensors runs the map and both products in one native kernel a
+        direction, causal calls chunk by chunk (native_fused.py: the rows never reach memory; with
         ``feature_dtype: bfloat16`` the products' inputs are rounded to bfloat16 and
         multiplied by the CPU's bfloat16 dot products; head_dim 16, 32, 48 or 64).
-        ``triton_fused``: the same on CUDA float32 tensors with Triton kernels, causal
-        calls too (triton_fused.py; head_dim up to 64; a machine with a GPU needs the ``triton``
+        ``triton_fused``: the same on CUDA float32 tensors with Triton kernels
+        (triton_fused.py; head_dim up to 64; a machine with a GPU needs the ``triton``
         package; CPU tensors are left to ``native_fused``). ``auto_kernels``: the four
         kernel options and ``feature_dtype`` chosen by this machine (``choose_kernels``),
         the choice in ``kernel_choice`` and in the run's provenance."""
@@ -287,10 +287,9 @@ class MaclaurinAttention(FeatureAttention):
 
     def _fused_kernel(self, x) -> str | None:
         """Which fused kernel a call on x takes, if any: ``triton_fused`` on a CUDA tensor (or
-        a CPU one under Triton's interpreter), bidirectional or causal; else ``native_fused``
-        on a CPU tensor, bidirectional only (``_causal`` asks for Triton's alone); computed in
-        float32 (not float64), not under torch.compile (a kernel call outside the graph would
-        break it)."""
+        a CPU one under Triton's interpreter); else ``native_fused`` on a CPU tensor; either
+        bidirectional or causal; computed in float32 (not float64), not under torch.compile
+        (a kernel call outside the graph would break it)."""
         if (
             torch.promote_types(x.dtype, torch.float32) != torch.float32
             or torch.compiler.is_compiling()
@@ -311,9 +310,15 @@ class MaclaurinAttention(FeatureAttention):
         return super()._bidirectional(q, k, v1, mask)
 
     def _causal(self, q, k, v1, mask):
-        if self._fused_kernel(q) == "triton":
-            bf16 = self.feature_dtype == "bfloat16"
-            return triton_causal_products(q, k, v1, self._coefficients, self.chunk_size, bf16), None
+        kernel, bf16 = self._fused_kernel(q), self.feature_dtype == "bfloat16"
+        coef, chunk = self._coefficients, self.chunk_size
+        if kernel == "triton":
+            return triton_causal_products(q, k, v1, coef, chunk, bf16), None
+        if kernel == "native":
+            products = native_causal_products(
+                q, k, v1, self._scale, coef, chunk, self._compiler, bf16
+            )
+            return products, None
         return super()._causal(q, k, v1, mask)
 
     def _key_features(self, k, keep, floor):

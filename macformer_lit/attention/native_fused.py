@@ -1,5 +1,6 @@
-"""Bidirectional degree-2 Maclaurin attention with the map fused into its two products, as a
-hand-written CPU kernel (csrc/maclaurin2_fused.cpp; docs/maths.md §14, fused products).
+"""Degree-2 Maclaurin attention with the map fused into its two products, as a hand-written
+CPU kernel (csrc/maclaurin2_fused.cpp; docs/maths.md §14, fused products): bidirectional,
+and causal chunk by chunk on the same two primitives (fused_causal.py).
 
     S = Σ_l φ(k_l) [v_l, 1]ᵀ            (D' × (d+1), per batch entry and head)
     out_i = Sᵀ φ(q_i)                   ([numerator, denominator] of query i)
@@ -29,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from .fused_causal import chunked_causal_products
 from .native_map import library
 
 HEAD_DIMS = (16, 32, 48, 64)
@@ -72,43 +74,73 @@ def _pullback(lib, x, S, y, scale, bf16):
     return gx
 
 
-class NativeFusedProducts(torch.autograd.Function):
-    """φ(q)ᵀ[φ(k)ᵀ v1] for q (..., N, d), k (..., M, d), v1 (..., M, d+1), all float32 on
-    the CPU, ``scale`` the map's (D',) float32 coefficients: (..., N, d+1) float32. The
-    gradient reaches q, k and v1 (the scale is a constant buffer)."""
+class NativeState(torch.autograd.Function):
+    """S = Σ_l φ(x_l) y_lᵀ per group of x (..., L, d), y (..., L, e) float32 on the CPU,
+    ``scale`` the map's (D',) float32 coefficients: (..., D', e) float32. Backward:
+    ∂x = J_φ(x)ᵀ (∂S y) (the pullback), ∂y_l = ∂Sᵀ φ(x_l) (the apply primitive)."""
 
     @staticmethod
-    def forward(ctx, q, k, v1, scale, compiler, bf16):
-        lib = library(compiler, "native_fused")
-        q, k, v1 = q.contiguous(), k.contiguous(), v1.contiguous()
-        S = _state(lib, k, v1, scale, bf16)
-        out = _apply(lib, q, S, scale, bf16)
-        ctx.save_for_backward(q, k, v1, S, scale)
+    def forward(ctx, x, y, scale, compiler, bf16):
+        x, y = x.contiguous(), y.contiguous()
+        ctx.save_for_backward(x, y, scale)
         ctx.compiler, ctx.bf16 = compiler, bf16
-        return out
+        return _state(library(compiler, "native_fused"), x, y, scale, bf16)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gS):
+        x, y, scale = ctx.saved_tensors
+        lib, bf16, gS = library(ctx.compiler, "native_fused"), ctx.bf16, gS.contiguous()
+        gx = _pullback(lib, x, gS, y, scale, bf16) if ctx.needs_input_grad[0] else None
+        gy = _apply(lib, x, gS, scale, bf16) if ctx.needs_input_grad[1] else None
+        return gx, gy, None, None, None
+
+
+class NativeApply(torch.autograd.Function):
+    """out_l = Sᵀ φ(x_l) per group of x (..., L, d), S (..., D', e) float32 on the CPU:
+    (..., L, e) float32. Backward: ∂x = J_φ(x)ᵀ (S ∂out) (the pullback), ∂S = Σ_l φ(x_l)
+    ∂out_lᵀ (the state primitive)."""
+
+    @staticmethod
+    def forward(ctx, x, S, scale, compiler, bf16):
+        x, S = x.contiguous(), S.contiguous()
+        ctx.save_for_backward(x, S, scale)
+        ctx.compiler, ctx.bf16 = compiler, bf16
+        return _apply(library(compiler, "native_fused"), x, S, scale, bf16)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        q, k, v1, S, scale = ctx.saved_tensors
-        lib, bf16 = library(ctx.compiler, "native_fused"), ctx.bf16
-        g = g.contiguous()
-        need_q, need_k, need_v1 = ctx.needs_input_grad[:3]
-        gq = _pullback(lib, q, S, g, scale, bf16) if need_q else None
-        gk = gv1 = None
-        if need_k or need_v1:
-            gS = _state(lib, q, g, scale, bf16)
-            gv1 = _apply(lib, k, gS, scale, bf16) if need_v1 else None
-            gk = _pullback(lib, k, gS, v1, scale, bf16) if need_k else None
-        return gq, gk, gv1, None, None, None
+        x, S, scale = ctx.saved_tensors
+        lib, bf16, g = library(ctx.compiler, "native_fused"), ctx.bf16, g.contiguous()
+        gx = _pullback(lib, x, S, g, scale, bf16) if ctx.needs_input_grad[0] else None
+        gS = _state(lib, x, g, scale, bf16) if ctx.needs_input_grad[1] else None
+        return gx, gS, None, None, None
 
 
 def native_fused_products(q, k, v1, scale, compiler: str, bf16: bool = False) -> torch.Tensor:
     """[numerator, denominator] (..., N, d+1) of the bidirectional degree-2 Maclaurin
-    attention: φ(q)ᵀ[φ(k)ᵀ v1] without the feature rows in memory (float32 CPU tensors).
-    ``bf16``: the products' inputs rounded to bfloat16 where the CPU multiplies bfloat16
-    pairs (``bf16_dot()``), float32 otherwise."""
-    return NativeFusedProducts.apply(q, k, v1, scale.float().contiguous(), compiler, bf16)
+    attention: φ(q)ᵀ[φ(k)ᵀ v1] without the feature rows in memory (float32 CPU tensors), the
+    apply primitive over the state primitive's S. ``bf16``: the products' inputs rounded to
+    bfloat16 where the CPU multiplies bfloat16 pairs (``bf16_dot()``), float32 otherwise."""
+    scale = scale.float().contiguous()
+    S = NativeState.apply(k, v1, scale, compiler, bf16)
+    return NativeApply.apply(q, S, scale, compiler, bf16)
+
+
+def native_causal_products(
+    q, k, v1, scale, coef, chunk: int, compiler: str, bf16: bool = False
+) -> torch.Tensor:
+    """The causal attention's [numerator, denominator] (..., N, d+1), query i over keys j ≤ i,
+    in chunks of ``chunk`` positions (fused_causal.py): each chunk's state by the state
+    primitive, summed over the chunks before and applied by the apply primitive; within a
+    chunk the kernel a0 + a1 s + a2 s² itself (``coef``, the map's inner product)."""
+    scale, coef = scale.float().contiguous(), tuple(float(a) for a in coef)
+    return chunked_causal_products(
+        q, k, v1, coef, chunk,
+        state=lambda x, y: NativeState.apply(x, y, scale, compiler, bf16),
+        apply=lambda x, S: NativeApply.apply(x, S, scale, compiler, bf16),
+    )  # fmt: skip
 
 
 def bf16_dot(compiler: str) -> bool:

@@ -1,5 +1,5 @@
 """Degree-2 Maclaurin attention with the map fused into its two products, as Triton kernels,
-bidirectional and (chunk by chunk, at the end of this file) causal: GPUs, or the CPU under
+bidirectional and (chunk by chunk, fused_causal.py) causal: GPUs, or the CPU under
 Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a
 GPU. docs/maths.md §14, fused products.
 
@@ -35,6 +35,8 @@ import os
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from .fused_causal import chunked_causal_products
 
 MAX_HEAD_DIM = 64
 
@@ -171,25 +173,12 @@ def triton_fused_products(q, k, v1, coef, bf16: bool = False) -> torch.Tensor:
 
 def triton_causal_products(q, k, v1, coef, chunk: int, bf16: bool = False) -> torch.Tensor:
     """[numerator, denominator] (..., N, d+1) of the causal degree-2 Maclaurin attention, query
-    i over keys j ≤ i, in chunks of ``chunk`` positions: across chunks the state kernel's
-    ΔS_c = Σ_{l in c} ψ(k_l) [v_l, 1]ᵀ, summed over the chunks before (an exclusive cumsum)
-    and applied to the chunk's queries by the apply kernel; within a chunk the kernel itself,
-    a0 + a1 s + a2 s² with s = q·k/√d, masked to j ≤ i and multiplied by [v, 1]. No feature
-    rows in memory; the chunks' states (1 + d + d² by d+1 each) are kept for the backward, as
-    the chunked eager path keeps its (docs/maths.md §14)."""
+    i over keys j ≤ i, in chunks of ``chunk`` positions (fused_causal.py): the state kernel's
+    ΔS of each chunk, summed over the chunks before and applied to the chunk's queries by
+    the apply kernel; within a chunk the kernel itself. No feature rows in memory."""
     coef = tuple(float(a) for a in coef)
-    N, d = q.shape[-2], q.shape[-1]
-    C = min(chunk, N)
-    pad = -N % C
-    if pad:
-        q, k, v1 = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
-    nc = (N + pad) // C
-    q, k, v1 = (t.reshape(*t.shape[:-2], nc, C, t.shape[-1]) for t in (q, k, v1))
-    delta = TritonState.apply(k, v1, bf16)  # (..., nc, 1 + d + d², d + 1)
-    before = delta.cumsum(-3) - delta
-    inter = TritonApply.apply(q, before, coef, bf16)
-    s = (q @ k.transpose(-1, -2)) * d**-0.5
-    tril = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    weights = (coef[0] + s * (coef[1] + coef[2] * s)).masked_fill(~tril, 0.0)
-    out = inter + weights @ v1
-    return out.reshape(*out.shape[:-3], nc * C, d + 1)[..., :N, :]
+    return chunked_causal_products(
+        q, k, v1, coef, chunk,
+        state=lambda x, y: TritonState.apply(x, y, bf16),
+        apply=lambda x, S: TritonApply.apply(x, S, coef, bf16),
+    )  # fmt: skip

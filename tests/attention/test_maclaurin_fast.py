@@ -56,9 +56,9 @@ def rounding_bound(attn, q, k, v, mask, causal):
 
 
 CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
-# The fused products (native_fused) with bfloat16 inputs: bidirectional calls only (causal
-# ones take the unfused path, tested as such); they round where the CPU has bfloat16 dot
-# products, and are float32 (closer than the bound asks) where it has not.
+# The fused products (native_fused) with bfloat16 inputs, bidirectional and causal (chunk by
+# chunk); they round where the CPU has bfloat16 dot products, and are float32 (closer than the
+# bound asks) where it has not.
 PATHS = [
     pytest.param({}, id="unfused"),
     pytest.param(
@@ -73,8 +73,6 @@ PATHS = [
 @pytest.mark.parametrize("tau", [1.0, 16.0, 128.0])
 @pytest.mark.parametrize("path", PATHS)
 def test_bfloat16_rows_within_their_rounding_bound(causal, tau, path):
-    if path and causal:
-        pytest.skip("causal calls do not take the fused products")
     q, k, v, mask = _inputs(0, tau=tau)
     attn = build_attention("maclaurin", head_dim=32, num_heads=2, feature_dtype="bfloat16", **path)
     exact, bound = rounding_bound(attn, q, k, v, mask, causal)

@@ -1,7 +1,7 @@
-"""The fused bidirectional Maclaurin products (attention/native_fused.py): within float32's
+"""The fused Maclaurin products (attention/native_fused.py): within float32's
 rounding of the float64 products and of their exact gradients, the same bits on any thread
-count, no feature rows kept for the backward, and the attention it serves equal to the
-unfused float32 one (causal calls and float64 untouched). Its refusals are tested with the
+count, no feature rows kept for the backward, and the attention it serves, bidirectional and
+causal, equal to the unfused float32 one (float64 untouched). Its refusals are tested with the
 native map's (test_native_map.py)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from native_support import CXX, assert_within_float32_rounding, needs_cxx, saved
 from native_support import scale as _scale
 
 from macformer_lit.attention import build_attention
+from macformer_lit.attention import maclaurin as maclaurin_module
 from macformer_lit.attention.native_fused import bf16_dot, native_fused_products
 
 pytestmark = needs_cxx
@@ -99,9 +100,20 @@ def test_no_feature_rows_kept_for_the_backward():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_attention_equals_the_unfused_float32_one(causal):
-    """In ppSBN with padding: bidirectional, the fused products agree with the float32 GEMMs
-    to float32 rounding; causal calls do not take the fused kernel (the same bits)."""
+def test_attention_equals_the_unfused_float32_one(causal, monkeypatch):
+    """In ppSBN with padding, N = 90 (causal: a chunk of 64 and a part), the fused products
+    agree with the float32 GEMMs to float32 rounding, forward and the three gradients (causal:
+    the chunks' states through the state and apply primitives, the chunk itself through its
+    kernel values); a spy checks that the fused entry point ran."""
+    calls = []
+    for name in ("native_fused_products", "native_causal_products"):
+        real = getattr(maclaurin_module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(maclaurin_module, name, spy)
     spec = dict(name="maclaurin", pre_sbn=True, post_sbn=True, temperature_max=32.0)
     unfused = build_attention(spec, head_dim=32, num_heads=2)
     fused = build_attention({**spec, "native_fused": True}, head_dim=32, num_heads=2)
@@ -116,11 +128,9 @@ def test_attention_equals_the_unfused_float32_one(causal):
         out = attn(q, k, v, key_padding_mask=mask, causal=causal)
         (out * mask[:, None, :, None]).square().sum().backward()
         results.append((out, q.grad, k.grad, v.grad))
+    assert calls == ["native_causal_products" if causal else "native_fused_products"]
     for a, b in zip(*results):
-        if causal:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_bf16_autocast_computes_in_float32():
