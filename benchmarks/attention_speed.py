@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from macformer_lit.attention import build_attention
+from macformer_lit.attention.maclaurin import cxx_compiler
 
 try:
     from benchmarks._common import (
@@ -136,6 +137,30 @@ def performer_methods(head_dim: int, num_features: int, causal_max_n: int) -> li
     ]
 
 
+def maclaurin_methods(common: dict, device: str) -> list[Method]:
+    """The degree-2 Maclaurin attention (no ppSBN: the core alone) eager, with the native map,
+    and with the fused products in float32 and with bfloat16 inputs (native_fused on a CPU,
+    triton_fused on a GPU; docs/maths.md §14). The native kernels need a C++ compiler."""
+    spec = {"name": "maclaurin", **common}
+    methods = [Method("maclaurin", "degree-2 Maclaurin, eager", ours(**spec))]
+    on_gpu = device.startswith("cuda")
+    if cxx_compiler() is None and not on_gpu:
+        return methods
+    fused = {"triton_fused": True} if on_gpu else {"native_map": True, "native_fused": True}
+    if not on_gpu:
+        label = "degree-2 Maclaurin, native map"
+        methods.append(Method("maclaurin_native", label, ours(**spec, native_map=True)))
+    methods += [
+        Method("maclaurin_fused", "degree-2 Maclaurin, fused float32", ours(**spec, **fused)),
+        Method(
+            "maclaurin_fused_bf16",
+            "degree-2 Maclaurin, fused, bf16 inputs",
+            ours(**spec, **fused, feature_dtype="bfloat16"),
+        ),
+    ]
+    return methods
+
+
 def all_methods(args) -> list[Method]:
     d, H, D = args.head_dim, args.heads, args.num_features
     common = {"head_dim": d, "num_heads": H}
@@ -173,6 +198,7 @@ def all_methods(args) -> list[Method]:
         ),
     ]
     methods += performer_methods(d, D, args.performer_causal_max_n)
+    methods += maclaurin_methods(common, args.device)
     if args.methods:
         wanted = args.methods.split(",")
         unknown = set(wanted) - {m.name for m in methods}
