@@ -77,3 +77,18 @@ def assert_within_float32_rounding(
         assert err.max() > 0, name
         worst.append(float((err / s).detach().max()))
     return worst
+
+
+def spied(monkeypatch, module, names) -> list[str]:
+    """Calls of ``module``'s functions ``names``, recorded in order (so a match with the
+    unfused path is not the unfused path itself)."""
+    calls = []
+    for name in names:
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_support import CXX, assert_within_float32_rounding, needs_cxx, saved_sizes
+from native_support import CXX, assert_within_float32_rounding, needs_cxx, saved_sizes, spied
 from native_support import scale as _scale
 
 from macformer_lit.attention import build_attention
@@ -105,15 +105,9 @@ def test_attention_equals_the_unfused_float32_one(causal, monkeypatch):
     agree with the float32 GEMMs to float32 rounding, forward and the three gradients (causal:
     the chunks' states through the state and apply primitives, the chunk itself through its
     kernel values); a spy checks that the fused entry point ran."""
-    calls = []
-    for name in ("native_fused_products", "native_causal_products"):
-        real = getattr(maclaurin_module, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(maclaurin_module, name, spy)
+    calls = spied(
+        monkeypatch, maclaurin_module, ["native_fused_products", "native_causal_products"]
+    )
     spec = dict(name="maclaurin", pre_sbn=True, post_sbn=True, temperature_max=32.0)
     unfused = build_attention(spec, head_dim=32, num_heads=2)
     fused = build_attention({**spec, "native_fused": True}, head_dim=32, num_heads=2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_support import assert_within_float32_rounding, saved_sizes
+from native_support import assert_within_float32_rounding, saved_sizes, spied
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import maclaurin as maclaurin_module
@@ -63,21 +63,6 @@ def test_no_feature_rows_kept_for_the_backward():
     assert max(kept_fused) < one_side and sum(kept_fused) < 2 * one_side, kept_fused
 
 
-def _spied(monkeypatch):
-    """Calls of the two Triton entry points, counted (so a match with the unfused path is not
-    the unfused path itself)."""
-    calls = []
-    for name in ("triton_fused_products", "triton_causal_products"):
-        real = getattr(maclaurin_module, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(maclaurin_module, name, spy)
-    return calls
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_attention_equals_the_unfused_float32_one(causal, monkeypatch):
     """In ppSBN with padding, N = 90 (causal: a chunk of 64 and a part), the Triton kernels
@@ -94,7 +79,9 @@ def test_attention_equals_the_unfused_float32_one(causal, monkeypatch):
     mask = torch.ones(2, 90, dtype=torch.bool, device=DEVICE)
     mask[1, 60:] = False
     results = []
-    calls = _spied(monkeypatch)
+    calls = spied(
+        monkeypatch, maclaurin_module, ["triton_fused_products", "triton_causal_products"]
+    )
     for attn in (unfused, fused):
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         out = attn(q, k, v, key_padding_mask=mask, causal=causal)
