@@ -39,6 +39,12 @@ def feature_products(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor)
     return (phi_q.transpose(-1, -2) @ (phi_k @ low)).to(v1.dtype)
 
 
+def before_each_chunk(state: torch.Tensor) -> torch.Tensor:
+    """The chunks' states (..., nc, D', e) summed over the chunks before each (an exclusive
+    prefix: chunk c sees the keys of chunks < c; chunk 0 sees none)."""
+    return F.pad(state.cumsum(-3)[..., :-1, :, :], (0, 0, 0, 0, 1, 0))
+
+
 def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
     """Σ_{j≤i} (φ_qi·φ_kj) v1_j, chunked: φ (B, H, nc, D', C), v1 (B, H, nc, C, e) -> like v1.
     Products in the rows' dtype as in ``feature_products``; the sums over chunks in v1's."""
@@ -46,9 +52,7 @@ def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -
     tril = torch.ones(chunk, chunk, dtype=torch.bool, device=v1.device).tril()
     low = v1.to(phi_k.dtype)
     out = ((phi_q.transpose(-1, -2) @ phi_k).masked_fill_(~tril, 0.0) @ low).to(v1.dtype)
-    state = (phi_k @ low).to(v1.dtype)  # (B, H, nc, D', e)
-    # Exclusive prefix over chunks: chunk c sees the keys of chunks < c.
-    state = F.pad(state.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
+    state = before_each_chunk((phi_k @ low).to(v1.dtype))  # (B, H, nc, D', e)
     return out + (phi_q.transpose(-1, -2) @ state.to(phi_q.dtype)).to(v1.dtype)
 
 

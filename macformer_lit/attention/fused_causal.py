@@ -3,12 +3,12 @@ chunk (docs/maths.md §14, fused products): the Triton kernels (triton_fused.py)
 ones (native_fused.py) share it.
 
 Query i attends to keys j ≤ i. Positions are cut into chunks of C; across chunks the state
-primitive's ΔS_c = Σ_{l in c} φ(k_l) [v_l, 1]ᵀ, summed over the chunks before (an exclusive
-cumsum), is applied to the chunk's queries by the apply primitive; within a chunk the
-kernel itself, a0 + a1 s + a2 s² with s = q·k/√d, masked to j ≤ i and multiplied by [v, 1]
-(C² entries a chunk, float32). No feature rows reach memory; the chunks' states (D' by d+1
-each, a state every C positions) are kept for the backward, as the chunked eager path keeps
-its.
+primitive's ΔS_c = Σ_{l in c} φ(k_l) [v_l, 1]ᵀ, summed over the chunks before (the eager
+path's exclusive prefix, ``before_each_chunk``), is applied to the chunk's queries by the
+apply primitive; within a chunk the kernel itself, a0 + a1 s + a2 s² with s = q·k/√d,
+masked to j ≤ i and multiplied by [v, 1] (C² entries a chunk, float32). No feature rows
+reach memory; the chunks' states (D' by d+1 each, a state every C positions) are kept for
+the backward, as the chunked eager path keeps its.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from .feature_attention import before_each_chunk
 
 
 def chunked_causal_products(
@@ -37,9 +39,7 @@ def chunked_causal_products(
         q, k, v1 = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v1))
     nc = (N + pad) // C
     q, k, v1 = (t.reshape(*t.shape[:-2], nc, C, t.shape[-1]) for t in (q, k, v1))
-    delta = state(k, v1)  # (..., nc, D', d + 1)
-    before = delta.cumsum(-3) - delta
-    inter = apply(q, before)
+    inter = apply(q, before_each_chunk(state(k, v1)))  # chunk states (..., nc, D', d + 1)
     s = (q @ k.transpose(-1, -2)) * d**-0.5
     tril = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     weights = (coef[0] + s * (coef[1] + coef[2] * s)).masked_fill(~tril, 0.0)
