@@ -98,14 +98,17 @@ def choose_kernels(head_dim: int, degree: int) -> dict[str, Any]:
     compiler = cxx_compiler()
     native_map = compiler is not None and head_dim <= MAX_HEAD_DIM
     native_fused = compiler is not None and head_dim in FUSED_HEAD_DIMS
-    cpu_bf16 = native_fused and bool(library(compiler, "native_fused").maclaurin2_bf16_dot())
+    fused = library(compiler, "native_fused") if native_fused else None
+    cpu_bf16 = bool(fused and fused.maclaurin2_bf16_dot())
+    amx = bool(cpu_bf16 and fused.maclaurin2_amx(-1))
     bf16 = cpu_bf16 or gpu
     options = dict(native_map=native_map, native_fused=native_fused, triton_fused=gpu)
     reasons = []
     if gpu:
         reasons.append("CUDA GPU with triton")
     reasons.append(
-        "CPU with AVX512-BF16" if cpu_bf16
+        "CPU with AMX tiles" if amx
+        else "CPU with AVX512-BF16" if cpu_bf16
         else "CPU with a C++ compiler" if native_map
         else "CPU without a C++ compiler"
     )  # fmt: skip

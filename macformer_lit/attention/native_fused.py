@@ -19,8 +19,9 @@ In float32 (``feature_dtype: float32``) the rows are the eager float32 map's bit
 the sums run in another order than the GEMMs': the error is float32 rounding. With
 ``feature_dtype: bfloat16`` the products' inputs (the rows, [v, 1] or ∂out, the state) are
 rounded to bfloat16 as the unfused bfloat16 GEMMs take them, and multiplied with the CPU's
-bfloat16 dot products (AVX512-BF16: two pairs a lane), accumulating in float32; the state
-and the results stay float32. A CPU without the instruction runs the float32 kernel instead
+bfloat16 dot products (AVX512-BF16: two pairs a lane; on CPUs with AMX, Intel Sapphire
+Rapids and later, as tile dot products of 16 × 32 by 32 × 16, zero-padded to whole tiles),
+accumulating in float32; the state and the results stay float32. A CPU without the instruction runs the float32 kernel instead
 (closer to exact than asked). Head sizes 16, 32, 48 and 64 (multiples of the 16-float
 vectors the loops are written in).
 """
@@ -146,3 +147,10 @@ def native_causal_products(
 def bf16_dot(compiler: str) -> bool:
     """Whether this CPU's build has the bfloat16 dot products (AVX512-BF16)."""
     return bool(library(compiler, "native_fused").maclaurin2_bf16_dot())
+
+
+def amx_tiles(compiler: str, want: bool | None = None) -> bool:
+    """Whether the bfloat16 products run on AMX tiles (Intel Sapphire Rapids and later: a
+    build for them, and the tiles granted by the OS); ``want`` turns them on or off first
+    (off: the AVX512-BF16 loops run, for tests and comparisons)."""
+    return bool(library(compiler, "native_fused").maclaurin2_amx(-1 if want is None else int(want)))

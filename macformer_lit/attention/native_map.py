@@ -120,6 +120,7 @@ def _library(compiler: str) -> ctypes.CDLL:
         "maclaurin2_apply": [ptr] * 4 + [i64, i64] + [i32] * 3,
         "maclaurin2_pullback": [ptr] * 5 + [i64, i64] + [i32] * 3,
         "maclaurin2_bf16_dot": [],
+        "maclaurin2_amx": [i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

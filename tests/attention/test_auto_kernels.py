@@ -11,7 +11,7 @@ from native_support import CXX, needs_cxx
 from macformer_lit import provenance
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import maclaurin as maclaurin_module
-from macformer_lit.attention.native_fused import bf16_dot
+from macformer_lit.attention.native_fused import amx_tiles, bf16_dot
 
 
 def _auto(head_dim=32, **options):
@@ -28,7 +28,7 @@ def test_a_cpu_with_a_compiler_takes_the_native_kernels():
     attn = _core(_auto())
     assert attn.native_map and attn.native_fused and not attn.triton_fused
     assert attn.feature_dtype == ("bfloat16" if bf16_dot(CXX) else "float32")
-    want = "AVX512-BF16" if bf16_dot(CXX) else "a C++ compiler"
+    want = "AMX tiles" if amx_tiles(CXX) else "AVX512-BF16" if bf16_dot(CXX) else "a C++ compiler"
     assert (
         attn.kernel_choice.startswith("auto: native_map+native_fused")
         and want in attn.kernel_choice
@@ -84,3 +84,5 @@ def test_the_run_record_names_the_kernels_and_the_cpu_flags():
     assert set(provenance.cpu_flags()) <= set(provenance.CPU_FLAGS)
     if "avx512_bf16" in provenance.cpu_flags() and CXX:
         assert bf16_dot(CXX)  # the flag the record shows is the instruction the kernel takes
+    if "amx_bf16" in provenance.cpu_flags() and CXX:
+        assert amx_tiles(CXX)  # and the tiles: built for them and granted

@@ -13,9 +13,24 @@ from native_support import scale as _scale
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import maclaurin as maclaurin_module
-from macformer_lit.attention.native_fused import bf16_dot, native_fused_products
+from macformer_lit.attention.native_fused import amx_tiles, bf16_dot, native_fused_products
 
 pytestmark = needs_cxx
+
+
+@pytest.fixture(params=["avx512_bf16", "amx"])
+def bf16_path(request):
+    """The bfloat16 products on each path this machine has: the AVX512-BF16 loops, and AMX
+    tiles where the CPU has them (Intel Sapphire Rapids and later); the default restored."""
+    if CXX is None or not bf16_dot(CXX):
+        pytest.skip("no AVX512-BF16 dot products")
+    amx = request.param == "amx"
+    if amx and not amx_tiles(CXX):
+        pytest.skip("no AMX tiles on this CPU")
+    default = amx_tiles(CXX)
+    assert amx_tiles(CXX, amx) == amx
+    yield request.param
+    amx_tiles(CXX, default)
 
 
 # 16, 32, 48, 64: every head size the kernel has. N = 37 and M = 70: one tile of 32 and a
@@ -39,16 +54,15 @@ def test_products_and_gradients_within_float32_rounding(d):
     )  # fmt: skip
 
 
-@pytest.mark.skipif(CXX is None or not bf16_dot(CXX), reason="no AVX512-BF16 dot products")
 @pytest.mark.parametrize("d", [16, 32, 48, 64])
-def test_bf16_inputs_within_four_roundings(d):
+def test_bf16_inputs_within_four_roundings(d, bf16_path):
     """With bfloat16 inputs every term of the products and of the three gradients is a
     product of four factors rounded to bfloat16 once each (out: φ(q), φ(k), v1 and the state
     S; ∂q: S's φ(k) and v1, S, ∂out; ∂k: ∂S's φ(q) and ∂out, ∂S, v1; ∂v1: ∂S's two, ∂S,
     φ(k)), on top of the float32 roundings of the float32 test: within
     ((1 + 2⁻⁸)⁴(1 + γ_K) − 1)·Σ|terms|; and rounded (each result's worst error relative to
     Σ|terms| over 100 times the float32 kernel's). N = 37 and M = 70: odd tiles, so a row pairs
-    with zeros; every row block's remainder."""
+    with zeros; every row block's remainder; on AMX, tiles padded with zeros."""
     gen = torch.Generator().manual_seed(100 + d)
     N, M = 37, 70
     q, k = torch.randn(2, 3, N, d, generator=gen), torch.randn(2, 3, M, d, generator=gen)
@@ -65,8 +79,15 @@ def test_bf16_inputs_within_four_roundings(d):
         assert low > 100 * high, (name, low, high)
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16_inputs"])
-def test_same_bits_on_any_thread_count(bf16):
+def test_same_bits_on_any_thread_count_float32():
+    same_bits_on_any_thread_count(bf16=False)
+
+
+def test_same_bits_on_any_thread_count_bf16_inputs(bf16_path):
+    same_bits_on_any_thread_count(bf16=True)
+
+
+def same_bits_on_any_thread_count(bf16):
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(3, 2, 101, 32, generator=gen), torch.randn(3, 2, 77, 32, generator=gen)
     v1, g = torch.randn(3, 2, 77, 33, generator=gen), torch.randn(3, 2, 101, 33, generator=gen)

@@ -23,6 +23,12 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <initializer_list>
+#endif
 
 namespace {
 
@@ -404,14 +410,254 @@ void pullback_tile_bf16(const float* x, const float* y, const uint32_t* Sw, cons
     else
         backward_block<false>(hT, x, scale, gx, TILE, 0, n, d, D, c, Same{});
 }
+
+// ---- AMX tiles (Intel Sapphire Rapids and later) ---------------------------------------------
+// The same bfloat16 products as tile dot products: TDPBF16PS multiplies a 16 × 32 bfloat16 tile
+// by a 32 × 16 one stored two rows to a word (the packing above) into a 16 × 16 float32
+// accumulator, 16 times the work of one vdpbf16ps. Inputs rounded as above, so the results
+// differ from the vdpbf16ps loops' only in the order of the float32 sums. Operands are padded
+// with zeros to whole tiles (features to 16 or 32, rows to 32). Linux gives a process the
+// tiles' state when it asks (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads its tile
+// configuration before its tiles and releases them after. maclaurin2_amx() turns them off (the
+// vdpbf16ps loops then run), for tests and comparisons.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+
+int amx_wanted = 1;
+
+inline bool amx_permitted() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+}
+inline bool use_amx() { return amx_wanted != 0 && amx_permitted(); }
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tiles 0-7 of 16 rows of 64 bytes, except those named in `one_row` (1 row).
+struct Tiles {
+    explicit Tiles(std::initializer_list<int> one_row = {}) {
+        TileConfig config;
+        for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+        for (int t : one_row) config.rows[t] = 1;
+        _tile_loadconfig(&config);
+    }
+    ~Tiles() { _tile_release(); }
+    Tiles(const Tiles&) = delete;
+    Tiles& operator=(const Tiles&) = delete;
+};
+
+inline int64_t up_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Sᵀ block (16 columns of S from 16·j, 16 features at c) += y's columns in tile A · φ's row
+// pairs in tile 1, through tile 0 (a macro: the intrinsics take tile numbers as literals).
+#define STATE_TILE_AMX(c, j, A)                          \
+    do {                                                 \
+        float* block = (c) + int64_t(16 * (j)) * Dq;     \
+        _tile_loadd(0, block, Dq * 4);                   \
+        _tile_dpbf16ps(0, A, 1);                         \
+        _tile_stored(0, block, Dq * 4);                  \
+    } while (0)
+
+// One group's S through Sᵀ (e × Dq, Dq = D' up to 16) in ST: Sᵀ = Σ_tiles yᵀ φ, the tile of
+// 32 rows the contraction (K = 16 row pairs). Tiles: 0 an accumulator, 1 φ's pairs, 2 and 3
+// the last column's accumulator and y pairs (one row each), 4 + j y's columns 16j.. .
+template <int DV>
+void state_group_amx(const float* x, const float* y, const float* scale, float* S, float* ST,
+                     float* tile, uint32_t* P, uint32_t* YT, int64_t L, int64_t D, int64_t Dq,
+                     float c) {
+    constexpr int d = 16 * DV, e = d + 1, NP = TILE / 2;
+    std::memset(ST, 0, sizeof(float) * e * Dq);
+    for (int64_t r0 = 0; r0 < L; r0 += TILE) {
+        const int n = int(L - r0 < TILE ? L - r0 : TILE), np = (n + 1) / 2;
+        const float* yt = y + r0 * e;
+        map_tile<d>(x + r0 * d, scale, tile, n, D, c);
+        if (n % 2)
+            for (int64_t f = 0; f < D; ++f) tile[int64_t(n) * D + f] = 0.0f;  // the odd row's pair
+        for (int p = 0; p < NP; ++p) {
+            uint32_t* w = P + int64_t(p) * Dq;
+            if (p >= np) {
+                std::memset(w, 0, sizeof(uint32_t) * Dq);
+                continue;
+            }
+            const float *a = tile + int64_t(2 * p) * D, *b = a + D;
+            int64_t f = 0;
+            for (; f + 16 <= D; f += 16) {
+                const vu packed = pack2v(vload(a + f), vload(b + f));
+                std::memcpy(w + f, &packed, sizeof packed);
+            }
+            for (; f < D; ++f) w[f] = pack2(a[f], b[f]);
+            for (; f < Dq; ++f) w[f] = 0u;
+        }
+        for (int col = 0; col < e; ++col)
+            for (int p = 0; p < NP; ++p) {
+                const float* ya = yt + int64_t(2 * p) * e + col;
+                YT[col * NP + p] = p < np ? pack2(ya[0], 2 * p + 1 < n ? ya[e] : 0.0f) : 0u;
+            }
+        _tile_loadd(3, YT + d * NP, 64);
+        _tile_loadd(4, YT, 64);
+        if constexpr (DV > 1) _tile_loadd(5, YT + 16 * NP, 64);
+        if constexpr (DV > 2) _tile_loadd(6, YT + 32 * NP, 64);
+        if constexpr (DV > 3) _tile_loadd(7, YT + 48 * NP, 64);
+        for (int64_t f = 0; f < Dq; f += 16) {
+            _tile_loadd(1, P + f, Dq * 4);
+            STATE_TILE_AMX(ST + f, 0, 4);
+            if constexpr (DV > 1) STATE_TILE_AMX(ST + f, 1, 5);
+            if constexpr (DV > 2) STATE_TILE_AMX(ST + f, 2, 6);
+            if constexpr (DV > 3) STATE_TILE_AMX(ST + f, 3, 7);
+            float* last = ST + int64_t(d) * Dq + f;
+            _tile_loadd(2, last, Dq * 4);
+            _tile_dpbf16ps(2, 3, 1);
+            _tile_stored(2, last, Dq * 4);
+        }
+    }
+    for (int64_t f = 0; f < D; ++f)
+        for (int col = 0; col < e; ++col) S[f * e + col] = ST[col * Dq + f];
+}
+
+// out rows of a tile, columns [16 jb, 16 jb + 32) (or 16 if only one block is left), into ob
+// (TILE × d): Σ over K blocks of 32 features of rows (tiles 4, 5: rows 0-15, 16-31) · S's
+// feature pairs (tiles 6, 7: two column blocks), accumulated in tiles 0-3.
+template <bool two>
+inline void apply_blocks_amx(const uint16_t* rows, int64_t Dk, const uint32_t* Sp, int d,
+                             float* ob, int jb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < Dk / 32; ++kb) {
+        _tile_loadd(4, rows + 32 * kb, Dk * 2);
+        _tile_loadd(5, rows + 16 * Dk + 32 * kb, Dk * 2);
+        const uint32_t* s = Sp + 16 * kb * d + 16 * jb;
+        _tile_loadd(6, s, d * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if constexpr (two) {
+            _tile_loadd(7, s + 16, d * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, ob + 16 * jb, d * 4);
+    _tile_stored(1, ob + 16 * d + 16 * jb, d * 4);
+    if constexpr (two) {
+        _tile_stored(2, ob + 16 * jb + 16, d * 4);
+        _tile_stored(3, ob + 16 * d + 16 * jb + 16, d * 4);
+    }
+}
+
+// As apply_tile_bf16, the first d columns by tiles: rows (TILE × Dk, Dk = D' up to 32, zeros
+// past D' and past row n), Sp (Dk / 2 feature pairs × d).
+template <int DV>
+void apply_tile_amx(const float* x, const uint32_t* Sp, const uint32_t* lastw, const float* scale,
+                    float* out, float* tile, uint16_t* rows, float* ob, int n, int64_t D,
+                    int64_t Dk, float c) {
+    constexpr int d = 16 * DV, e = d + 1;
+    const int64_t Dp = D + D % 2;
+    map_tile<d>(x, scale, tile, n, D, c);
+    for (int r = 0; r < TILE; ++r) {
+        uint16_t* o = rows + int64_t(r) * Dk;
+        if (r >= n) {
+            std::memset(o, 0, sizeof(uint16_t) * Dk);
+            continue;
+        }
+        const float* t = tile + int64_t(r) * D;
+        int64_t f = 0;
+        for (; f + 16 <= D; f += 16) {
+            const vh h = round16(vload(t + f));
+            std::memcpy(o + f, &h, sizeof h);
+        }
+        for (; f < D; ++f) o[f] = to_bf16(t[f]);
+        for (; f < Dk; ++f) o[f] = 0;
+    }
+    for (int jb = 0; jb < DV; jb += 2) {
+        if (jb + 1 < DV)
+            apply_blocks_amx<true>(rows, Dk, Sp, d, ob, jb);
+        else
+            apply_blocks_amx<false>(rows, Dk, Sp, d, ob, jb);
+    }
+    for (int r = 0; r < n; ++r) std::memcpy(out + int64_t(r) * e, ob + int64_t(r) * d, d * 4);
+    // The last column as in apply_tile_bf16: Σ over feature pairs of row · last column.
+    const int64_t W = Dp / 2;
+    for (int r = 0; r < n; ++r) {
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(rows + int64_t(r) * Dk);
+        vf acc = vf{};
+        int64_t q = 0;
+        for (; q + 16 <= W; q += 16) acc = dot2(acc, words(w + q), words(lastw + q));
+        float s = hsum(acc);
+        for (; q < W; ++q)
+            s += from_bf16(uint16_t(w[q])) * from_bf16(uint16_t(lastw[q])) +
+                 from_bf16(uint16_t(w[q] >> 16)) * from_bf16(uint16_t(lastw[q] >> 16));
+        out[int64_t(r) * e + d] = s;
+    }
+}
+
+// As pullback_tile_bf16, hT by tiles: hT (Dq × TILE) = Sw (Dq × Qp column pairs, zeros past
+// D' and past e) · yT2 (Qp × TILE, zeros past e and past row n). Tiles 0, 1 hT's rows 0-15 and
+// 16-31, 2 S's pairs, 3, 4 y's pairs.
+template <int DV>
+void pullback_tile_amx(const float* x, const float* y, const uint32_t* Sw, const float* scale,
+                       float* gx, float* hT, uint32_t* yT2, int n, int64_t D, int64_t Dq, int Qp,
+                       float c) {
+    constexpr int d = 16 * DV, e = d + 1;
+    for (int q = 0; q < Qp; ++q)
+        for (int i = 0; i < TILE; ++i) {
+            const float* yi = y + int64_t(i) * e;
+            yT2[q * TILE + i] = i < n && 2 * q < e
+                                    ? pack2(yi[2 * q], 2 * q + 1 < e ? yi[2 * q + 1] : 0.0f)
+                                    : 0u;
+        }
+    for (int64_t f = 0; f < Dq; f += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int kb = 0; kb < Qp / 16; ++kb) {
+            _tile_loadd(2, Sw + f * Qp + 16 * kb, Qp * 4);
+            _tile_loadd(3, yT2 + 16 * kb * TILE, TILE * 4);
+            _tile_loadd(4, yT2 + 16 * kb * TILE + 16, TILE * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, hT + f * TILE, TILE * 4);
+        _tile_stored(1, hT + f * TILE + 16, TILE * 4);
+    }
+    if (n == TILE)
+        backward_block<true>(hT, x, scale, gx, TILE, 0, n, d, D, c, Same{});
+    else
+        backward_block<false>(hT, x, scale, gx, TILE, 0, n, d, D, c, Same{});
+}
+#else
+#define HAVE_AMX 0
+inline bool use_amx() { return false; }
+#endif
 #else
 constexpr bool HAVE_BF16_DOT = false;
+#define HAVE_AMX 0
 #endif
 
 template <int DV>
 void state_all(const float* x, const float* y, const float* scale, float* S, int64_t G,
                int64_t L, int64_t D, float c, bool bf16, int threads) {
     constexpr int d = 16 * DV, e = d + 1;
+#if HAVE_AMX
+    if (bf16 && use_amx()) {
+        const int64_t Dq = up_to(D, 16);
+        parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
+            Tiles tiles({2, 3});
+            std::vector<float> tile(TILE * D), ST(e * Dq);
+            std::vector<uint32_t> P(TILE / 2 * Dq), YT(e * TILE / 2);
+            for (int64_t g = lo; g < hi; ++g)
+                state_group_amx<DV>(x + g * L * d, y + g * L * e, scale, S + g * D * e,
+                                    ST.data(), tile.data(), P.data(), YT.data(), L, D, Dq, c);
+        });
+        return;
+    }
+#endif
     parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
         std::vector<float> tile(TILE * D), last(D);
 #if defined(__AVX512BF16__)
@@ -458,6 +704,28 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
             for (int64_t q = 0; q < Dp / 2; ++q)
                 lastw[g * (Dp / 2) + q] =
                     pack2(last[g * D + 2 * q], 2 * q + 1 < D ? last[g * D + 2 * q + 1] : 0.0f);
+#if HAVE_AMX
+        if (use_amx()) {
+            // Sp again with whole K blocks (Dk / 2 pairs, zeros past D').
+            const int64_t Dk = up_to(D, 32), W = Dp / 2, K = Dk / 2;
+            std::vector<uint32_t> Sk(G * K * d, 0u);
+            for (int64_t g = 0; g < G; ++g)
+                std::memcpy(Sk.data() + g * K * d, Sp.data() + g * W * d, sizeof(uint32_t) * W * d);
+            parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
+                Tiles amx;
+                std::vector<float> tile(TILE * D), ob(TILE * d);
+                std::vector<uint16_t> rows(TILE * Dk);
+                for (int64_t item = lo; item < hi; ++item) {
+                    const int64_t g = item / tiles, r0 = (item % tiles) * TILE;
+                    const int n = int(L - r0 < TILE ? L - r0 : TILE);
+                    apply_tile_amx<DV>(x + (g * L + r0) * d, Sk.data() + g * K * d,
+                                       lastw.data() + g * W, scale, out + (g * L + r0) * e,
+                                       tile.data(), rows.data(), ob.data(), n, D, Dk, c);
+                }
+            });
+            return;
+        }
+#endif
         parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
             std::vector<float> tile(TILE * D);
             std::vector<uint16_t> rows(TILE * Dp);
@@ -491,6 +759,36 @@ void pullback_all(const float* x, const float* S, const float* y, const float* s
 #if defined(__AVX512BF16__)
     if (bf16) {
         constexpr int Q = (e + 1) / 2;  // S rounded, two columns to a word
+#if HAVE_AMX
+        if (use_amx()) {
+            // Whole tiles: Dq features (zeros past D'), Qp column pairs (zeros past e).
+            const int64_t Dq = up_to(D, 16);
+            constexpr int Qp = (Q + 15) / 16 * 16;
+            std::vector<uint32_t> Sw(G * Dq * Qp, 0u);
+            parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
+                for (int64_t g = lo; g < hi; ++g)
+                    for (int64_t f = 0; f < D; ++f)
+                        for (int q = 0; q < Q; ++q) {
+                            const float* Sf = S + (g * D + f) * e;
+                            Sw[(g * Dq + f) * Qp + q] =
+                                pack2(Sf[2 * q], 2 * q + 1 < e ? Sf[2 * q + 1] : 0.0f);
+                        }
+            });
+            parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
+                Tiles amx;
+                std::vector<float> hT(Dq * TILE);
+                std::vector<uint32_t> yT2(Qp * TILE);
+                for (int64_t item = lo; item < hi; ++item) {
+                    const int64_t g = item / tiles, r0 = (item % tiles) * TILE;
+                    const int n = int(L - r0 < TILE ? L - r0 : TILE);
+                    pullback_tile_amx<DV>(x + (g * L + r0) * d, y + (g * L + r0) * e,
+                                          Sw.data() + g * Dq * Qp, scale, gx + (g * L + r0) * d,
+                                          hT.data(), yT2.data(), n, D, Dq, Qp, c);
+                }
+            });
+            return;
+        }
+#endif
         std::vector<uint32_t> Sw(G * D * Q);
         parallel_rows(G * D, threads, [&](int64_t lo, int64_t hi) {
             for (int64_t gf = lo; gf < hi; ++gf)
@@ -543,6 +841,19 @@ extern "C" {
 // Whether bf16 != 0 below rounds the products' inputs to bfloat16 (AVX512-BF16 dot products);
 // without the instruction the float32 primitives run.
 int maclaurin2_bf16_dot() { return HAVE_BF16_DOT ? 1 : 0; }
+
+// Whether the bfloat16 products run on AMX tiles (built for them, and the tiles granted by
+// the kernel); want = 0 or 1 turns them off or on first (the vdpbf16ps loops run when off),
+// want < 0 only asks.
+int maclaurin2_amx(int want) {
+#if HAVE_AMX
+    if (want >= 0) amx_wanted = want;
+    return use_amx() ? 1 : 0;
+#else
+    (void)want;
+    return 0;
+#endif
+}
 
 // x (G, L, d), y (G, L, d + 1) -> S (G, D', d + 1); d in {16, 32, 48, 64}, else returns 1.
 int maclaurin2_state(const float* x, const float* y, const float* scale, float* S, int64_t G,
