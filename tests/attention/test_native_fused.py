@@ -61,10 +61,11 @@ def test_bf16_inputs_within_four_roundings(d, bf16_path):
     S; ∂q: S's φ(k) and v1, S, ∂out; ∂k: ∂S's φ(q) and ∂out, ∂S, v1; ∂v1: ∂S's two, ∂S,
     φ(k)), on top of the float32 roundings of the float32 test: within
     ((1 + 2⁻⁸)⁴(1 + γ_K) − 1)·Σ|terms|; and rounded (each result's worst error relative to
-    Σ|terms| over 100 times the float32 kernel's). N = 37 and M = 70: odd tiles, so a row pairs
-    with zeros; every row block's remainder; on AMX, tiles padded with zeros."""
+    Σ|terms| over 100 times the float32 kernel's). N = 37 and M = 170: odd tiles, so a row
+    pairs with zeros; every row block's remainder; on AMX, tiles padded with zeros and the
+    state's rows in chunks of four tiles, one whole and one a part."""
     gen = torch.Generator().manual_seed(100 + d)
-    N, M = 37, 70
+    N, M = 37, 170
     q, k = torch.randn(2, 3, N, d, generator=gen), torch.randn(2, 3, M, d, generator=gen)
     v1, g = torch.randn(2, 3, M, d + 1, generator=gen), torch.randn(2, 3, N, d + 1, generator=gen)
     D = 1 + d + d * (d + 1) // 2

@@ -453,66 +453,87 @@ struct Tiles {
 
 inline int64_t up_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Sᵀ block (16 columns of S from 16·j, 16 features at c) += y's columns in tile A · φ's row
-// pairs in tile 1, through tile 0 (a macro: the intrinsics take tile numbers as literals).
-#define STATE_TILE_AMX(c, j, A)                          \
-    do {                                                 \
-        float* block = (c) + int64_t(16 * (j)) * Dq;     \
-        _tile_loadd(0, block, Dq * 4);                   \
-        _tile_dpbf16ps(0, A, 1);                         \
-        _tile_stored(0, block, Dq * 4);                  \
+// The state's rows KT tiles at a time (128 rows, 64 row pairs): the accumulators are loaded
+// and stored once for every KT tiles, not for every tile.
+constexpr int KT = 4, NPC = KT * TILE / 2;
+
+// Sᵀ's column block j (tile j) += y's columns 16j.. as 16 rows of the K block's 16 row pairs
+// (tile 6) · φ's row pairs (tile 5); a macro: the intrinsics take tile numbers as literals.
+#define STATE_DP_AMX(j)                                                  \
+    do {                                                                 \
+        _tile_loadd(6, YT + int64_t(16 * (j)) * NPC + 16 * kt, NPC * 4); \
+        _tile_dpbf16ps(j, 6, 5);                                         \
     } while (0)
 
-// One group's S through Sᵀ (e × Dq, Dq = D' up to 16) in ST: Sᵀ = Σ_tiles yᵀ φ, the tile of
-// 32 rows the contraction (K = 16 row pairs). Tiles: 0 an accumulator, 1 φ's pairs, 2 and 3
-// the last column's accumulator and y pairs (one row each), 4 + j y's columns 16j.. .
+// One group's S through Sᵀ (e × Dq, Dq = D' up to 16) in ST: Sᵀ = Σ yᵀ φ over the rows, KT
+// tiles of 32 rows at a time (rows past L zero). Tiles, for 16 features at a time: 0 to
+// DV - 1 Sᵀ's column blocks, 4 its last column (one row); 5 φ's row pairs; 6 y's columns as
+// rows, 7 its last column (one row).
 template <int DV>
 void state_group_amx(const float* x, const float* y, const float* scale, float* S, float* ST,
-                     float* tile, uint32_t* P, uint32_t* YT, int64_t L, int64_t D, int64_t Dq,
-                     float c) {
+                     float* tile, uint32_t* P, uint32_t* YT, uint32_t* Yw, int64_t L, int64_t D,
+                     int64_t Dq, float c) {
     constexpr int d = 16 * DV, e = d + 1, NP = TILE / 2;
     std::memset(ST, 0, sizeof(float) * e * Dq);
-    for (int64_t r0 = 0; r0 < L; r0 += TILE) {
-        const int n = int(L - r0 < TILE ? L - r0 : TILE), np = (n + 1) / 2;
-        const float* yt = y + r0 * e;
-        map_tile<d>(x + r0 * d, scale, tile, n, D, c);
-        if (n % 2)
-            for (int64_t f = 0; f < D; ++f) tile[int64_t(n) * D + f] = 0.0f;  // the odd row's pair
-        for (int p = 0; p < NP; ++p) {
-            uint32_t* w = P + int64_t(p) * Dq;
-            if (p >= np) {
-                std::memset(w, 0, sizeof(uint32_t) * Dq);
-                continue;
-            }
-            const float *a = tile + int64_t(2 * p) * D, *b = a + D;
-            int64_t f = 0;
-            for (; f + 16 <= D; f += 16) {
-                const vu packed = pack2v(vload(a + f), vload(b + f));
-                std::memcpy(w + f, &packed, sizeof packed);
-            }
-            for (; f < D; ++f) w[f] = pack2(a[f], b[f]);
-            for (; f < Dq; ++f) w[f] = 0u;
-        }
-        for (int col = 0; col < e; ++col)
+    for (int64_t c0 = 0; c0 < L; c0 += KT * TILE) {
+        for (int kt = 0; kt < KT; ++kt) {
+            const int64_t r0 = c0 + kt * TILE;
+            const int n = r0 >= L ? 0 : int(L - r0 < TILE ? L - r0 : TILE), np = (n + 1) / 2;
+            const float* yt = y + r0 * e;
+            if (n > 0) map_tile<d>(x + r0 * d, scale, tile, n, D, c);
+            if (n % 2)
+                for (int64_t f = 0; f < D; ++f) tile[int64_t(n) * D + f] = 0.0f;  // odd row's pair
             for (int p = 0; p < NP; ++p) {
-                const float* ya = yt + int64_t(2 * p) * e + col;
-                YT[col * NP + p] = p < np ? pack2(ya[0], 2 * p + 1 < n ? ya[e] : 0.0f) : 0u;
+                uint32_t* w = P + int64_t(kt * NP + p) * Dq;
+                uint32_t* yw = Yw + p * e;
+                if (p >= np) {
+                    std::memset(w, 0, sizeof(uint32_t) * Dq);
+                    std::memset(yw, 0, sizeof(uint32_t) * e);
+                    continue;
+                }
+                const float *a = tile + int64_t(2 * p) * D, *b = a + D;
+                int64_t f = 0;
+                for (; f + 16 <= D; f += 16) {
+                    const vu packed = pack2v(vload(a + f), vload(b + f));
+                    std::memcpy(w + f, &packed, sizeof packed);
+                }
+                for (; f < D; ++f) w[f] = pack2(a[f], b[f]);
+                for (; f < Dq; ++f) w[f] = 0u;
+                // y's rows 2p and 2p + 1, two to a word (the second zero past n).
+                const float* ya = yt + int64_t(2 * p) * e;
+                const bool pair = 2 * p + 1 < n;
+                for (int v = 0; v < DV; ++v) {
+                    const vf hi = pair ? vload(ya + e + 16 * v) : vf{};
+                    const vu packed = pack2v(vload(ya + 16 * v), hi);
+                    std::memcpy(yw + 16 * v, &packed, sizeof packed);
+                }
+                yw[d] = pack2(ya[d], pair ? ya[e + d] : 0.0f);
             }
-        _tile_loadd(3, YT + d * NP, 64);
-        _tile_loadd(4, YT, 64);
-        if constexpr (DV > 1) _tile_loadd(5, YT + 16 * NP, 64);
-        if constexpr (DV > 2) _tile_loadd(6, YT + 32 * NP, 64);
-        if constexpr (DV > 3) _tile_loadd(7, YT + 48 * NP, 64);
+            for (int col = 0; col < e; ++col)
+                for (int p = 0; p < NP; ++p) YT[col * NPC + kt * NP + p] = Yw[p * e + col];
+        }
+        const int64_t stride = Dq * 4;
         for (int64_t f = 0; f < Dq; f += 16) {
-            _tile_loadd(1, P + f, Dq * 4);
-            STATE_TILE_AMX(ST + f, 0, 4);
-            if constexpr (DV > 1) STATE_TILE_AMX(ST + f, 1, 5);
-            if constexpr (DV > 2) STATE_TILE_AMX(ST + f, 2, 6);
-            if constexpr (DV > 3) STATE_TILE_AMX(ST + f, 3, 7);
-            float* last = ST + int64_t(d) * Dq + f;
-            _tile_loadd(2, last, Dq * 4);
-            _tile_dpbf16ps(2, 3, 1);
-            _tile_stored(2, last, Dq * 4);
+            float* block = ST + f;
+            _tile_loadd(0, block, stride);
+            if constexpr (DV > 1) _tile_loadd(1, block + 16 * Dq, stride);
+            if constexpr (DV > 2) _tile_loadd(2, block + 32 * Dq, stride);
+            if constexpr (DV > 3) _tile_loadd(3, block + 48 * Dq, stride);
+            _tile_loadd(4, block + d * Dq, stride);
+            for (int kt = 0; kt < KT; ++kt) {
+                _tile_loadd(5, P + int64_t(kt * NP) * Dq + f, stride);
+                STATE_DP_AMX(0);
+                if constexpr (DV > 1) STATE_DP_AMX(1);
+                if constexpr (DV > 2) STATE_DP_AMX(2);
+                if constexpr (DV > 3) STATE_DP_AMX(3);
+                _tile_loadd(7, YT + int64_t(d) * NPC + 16 * kt, NPC * 4);
+                _tile_dpbf16ps(4, 7, 5);
+            }
+            _tile_stored(0, block, stride);
+            if constexpr (DV > 1) _tile_stored(1, block + 16 * Dq, stride);
+            if constexpr (DV > 2) _tile_stored(2, block + 32 * Dq, stride);
+            if constexpr (DV > 3) _tile_stored(3, block + 48 * Dq, stride);
+            _tile_stored(4, block + d * Dq, stride);
         }
     }
     for (int64_t f = 0; f < D; ++f)
@@ -648,12 +669,13 @@ void state_all(const float* x, const float* y, const float* scale, float* S, int
     if (bf16 && use_amx()) {
         const int64_t Dq = up_to(D, 16);
         parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
-            Tiles tiles({2, 3});
+            Tiles tiles({4, 7});
             std::vector<float> tile(TILE * D), ST(e * Dq);
-            std::vector<uint32_t> P(TILE / 2 * Dq), YT(e * TILE / 2);
+            std::vector<uint32_t> P(NPC * Dq), YT(e * NPC), Yw(TILE / 2 * e);
             for (int64_t g = lo; g < hi; ++g)
                 state_group_amx<DV>(x + g * L * d, y + g * L * e, scale, S + g * D * e,
-                                    ST.data(), tile.data(), P.data(), YT.data(), L, D, Dq, c);
+                                    ST.data(), tile.data(), P.data(), YT.data(), Yw.data(), L,
+                                    D, Dq, c);
         });
         return;
     }
