@@ -432,6 +432,16 @@ inline bool amx_permitted() {
 }
 inline bool use_amx() { return amx_wanted != 0 && amx_permitted(); }
 
+// bf16_bits' rounding by the CPU's conversion (vcvtneps2bf16): the same bits except that
+// subnormal inputs become zero (which the dot products make of them anyway) and a NaN keeps
+// its payload's top bits (still a NaN).
+inline vh round16_cvt(vf f) { return (vh)(__m256i)_mm512_cvtneps_pbh((__m512)f); }
+inline vu pack2v_cvt(vf lo, vf hi) {
+    const vu a = (vu)_mm512_cvtepu16_epi32((__m256i)round16_cvt(lo));
+    const vu b = (vu)_mm512_cvtepu16_epi32((__m256i)round16_cvt(hi));
+    return a | (b << 16);
+}
+
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -494,7 +504,7 @@ void state_group_amx(const float* x, const float* y, const float* scale, float* 
                 const float *a = tile + int64_t(2 * p) * D, *b = a + D;
                 int64_t f = 0;
                 for (; f + 16 <= D; f += 16) {
-                    const vu packed = pack2v(vload(a + f), vload(b + f));
+                    const vu packed = pack2v_cvt(vload(a + f), vload(b + f));
                     std::memcpy(w + f, &packed, sizeof packed);
                 }
                 for (; f < D; ++f) w[f] = pack2(a[f], b[f]);
@@ -504,7 +514,7 @@ void state_group_amx(const float* x, const float* y, const float* scale, float* 
                 const bool pair = 2 * p + 1 < n;
                 for (int v = 0; v < DV; ++v) {
                     const vf hi = pair ? vload(ya + e + 16 * v) : vf{};
-                    const vu packed = pack2v(vload(ya + 16 * v), hi);
+                    const vu packed = pack2v_cvt(vload(ya + 16 * v), hi);
                     std::memcpy(yw + 16 * v, &packed, sizeof packed);
                 }
                 yw[d] = pack2(ya[d], pair ? ya[e + d] : 0.0f);
@@ -591,7 +601,7 @@ void apply_tile_amx(const float* x, const uint32_t* Sp, const uint32_t* lastw, c
         const float* t = tile + int64_t(r) * D;
         int64_t f = 0;
         for (; f + 16 <= D; f += 16) {
-            const vh h = round16(vload(t + f));
+            const vh h = round16_cvt(vload(t + f));
             std::memcpy(o + f, &h, sizeof h);
         }
         for (; f < D; ++f) o[f] = to_bf16(t[f]);
@@ -627,13 +637,22 @@ void pullback_tile_amx(const float* x, const float* y, const uint32_t* Sw, const
                        float* gx, float* hT, uint32_t* yT2, int n, int64_t D, int64_t Dq, int Qp,
                        float c) {
     constexpr int d = 16 * DV, e = d + 1;
-    for (int q = 0; q < Qp; ++q)
-        for (int i = 0; i < TILE; ++i) {
+    // Row i's columns rounded in order are its column pairs, two to a word; then transposed.
+    uint16_t row[2 * 48];
+    for (int i = 0; i < TILE; ++i) {
+        std::memset(row, 0, sizeof row);
+        if (i < n) {
             const float* yi = y + int64_t(i) * e;
-            yT2[q * TILE + i] = i < n && 2 * q < e
-                                    ? pack2(yi[2 * q], 2 * q + 1 < e ? yi[2 * q + 1] : 0.0f)
-                                    : 0u;
+            for (int v = 0; v < DV; ++v) {
+                const vh h = round16_cvt(vload(yi + 16 * v));
+                std::memcpy(row + 16 * v, &h, sizeof h);
+            }
+            row[d] = to_bf16(yi[d]);
         }
+        uint32_t w[48];
+        std::memcpy(w, row, sizeof w);
+        for (int q = 0; q < Qp; ++q) yT2[q * TILE + i] = w[q];
+    }
     for (int64_t f = 0; f < Dq; f += 16) {
         _tile_zero(0);
         _tile_zero(1);
