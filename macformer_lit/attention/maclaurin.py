@@ -89,8 +89,9 @@ def choose_kernels(head_dim: int, degree: int) -> dict[str, Any]:
     the Triton fused kernels; on the CPU, with a C++ compiler, the native map and the native
     fused kernels (head sizes they take); bfloat16 rows and products where the CPU multiplies
     bfloat16 pairs (AVX512-BF16: the fused ListOps step 0.369x eager softmax's against 0.398x
-    in float32, 0.661x against 0.781x at N = 1,000, the 2-core AMD EPYC) or a GPU takes them,
-    float32 elsewhere. Degree 1 has no kernels: eager. Returns the options and ``why``."""
+    in float32, 0.661x against 0.781x at N = 1,000, the 2-core AMD EPYC; on AMX tiles where
+    the CPU has them, Intel Xeon: see the benchmarks' README) or a GPU takes them, float32
+    elsewhere. Degree 1 has no kernels: eager. Returns the options and ``why``."""
     if degree != 2:
         off = dict(native_map=False, native_fused=False, triton_fused=False)
         return dict(**off, feature_dtype="float32", why="eager (degree 1 has no kernels), float32")

@@ -464,7 +464,7 @@ struct Tiles {
 inline int64_t up_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // The state's rows KT tiles at a time (128 rows, 64 row pairs): the accumulators are loaded
-// and stored once for every KT tiles, not for every tile.
+// and stored once for every KT tiles, not for every tile (fewer where the rows end).
 constexpr int KT = 4, NPC = KT * TILE / 2;
 
 // Sᵀ's column block j (tile j) += y's columns 16j.. as 16 rows of the K block's 16 row pairs
@@ -476,7 +476,7 @@ constexpr int KT = 4, NPC = KT * TILE / 2;
     } while (0)
 
 // One group's S through Sᵀ (e × Dq, Dq = D' up to 16) in ST: Sᵀ = Σ yᵀ φ over the rows, KT
-// tiles of 32 rows at a time (rows past L zero). Tiles, for 16 features at a time: 0 to
+// tiles of 32 rows at a time. Tiles, for 16 features at a time: 0 to
 // DV - 1 Sᵀ's column blocks, 4 its last column (one row); 5 φ's row pairs; 6 y's columns as
 // rows, 7 its last column (one row).
 template <int DV>
@@ -486,11 +486,12 @@ void state_group_amx(const float* x, const float* y, const float* scale, float* 
     constexpr int d = 16 * DV, e = d + 1, NP = TILE / 2;
     std::memset(ST, 0, sizeof(float) * e * Dq);
     for (int64_t c0 = 0; c0 < L; c0 += KT * TILE) {
-        for (int kt = 0; kt < KT; ++kt) {
+        const int tiles = int((L - c0 + TILE - 1) / TILE < KT ? (L - c0 + TILE - 1) / TILE : KT);
+        for (int kt = 0; kt < tiles; ++kt) {
             const int64_t r0 = c0 + kt * TILE;
-            const int n = r0 >= L ? 0 : int(L - r0 < TILE ? L - r0 : TILE), np = (n + 1) / 2;
+            const int n = int(L - r0 < TILE ? L - r0 : TILE), np = (n + 1) / 2;
             const float* yt = y + r0 * e;
-            if (n > 0) map_tile<d>(x + r0 * d, scale, tile, n, D, c);
+            map_tile<d>(x + r0 * d, scale, tile, n, D, c);
             if (n % 2)
                 for (int64_t f = 0; f < D; ++f) tile[int64_t(n) * D + f] = 0.0f;  // odd row's pair
             for (int p = 0; p < NP; ++p) {
@@ -530,7 +531,7 @@ void state_group_amx(const float* x, const float* y, const float* scale, float* 
             if constexpr (DV > 2) _tile_loadd(2, block + 32 * Dq, stride);
             if constexpr (DV > 3) _tile_loadd(3, block + 48 * Dq, stride);
             _tile_loadd(4, block + d * Dq, stride);
-            for (int kt = 0; kt < KT; ++kt) {
+            for (int kt = 0; kt < tiles; ++kt) {
                 _tile_loadd(5, P + int64_t(kt * NP) * Dq + f, stride);
                 STATE_DP_AMX(0);
                 if constexpr (DV > 1) STATE_DP_AMX(1);
