@@ -16,7 +16,8 @@ of about this size on a CPU):
 3. The maps and the two products together: the native map's bfloat16 rows and the bfloat16
    GEMMs (what ``macformer_wide_native`` runs) against the fused kernel
    (attention/native_fused.py, ``native_fused: true``) in float32 and with bfloat16 inputs
-   (``feature_dtype: bfloat16``: the CPU's bfloat16 dot products where it has them).
+   (``feature_dtype: bfloat16``: the CPU's bfloat16 dot products where it has them; on a CPU
+   with AMX tiles, the tiles and the AVX512-BF16 loops side by side).
 4. The attention call of ``macformer_wide_fast`` (degree-2 features in ppSBN, bfloat16 rows,
    under bf16 autocast) with the compiled map, the native map and the fused products,
    beside torch SDPA softmax in fp32 (the ratio's base) and under bf16 autocast.
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention.maclaurin import compiled_maclaurin_rows, maclaurin_rows
-from macformer_lit.attention.native_fused import native_fused_products
+from macformer_lit.attention.native_fused import amx_tiles, native_fused_products
 from macformer_lit.attention.native_map import native_maclaurin_rows
 
 try:
@@ -115,18 +116,26 @@ def fused_cases(args, gen):
         out = phi_q @ (phi_k.transpose(-1, -2) @ v1.bfloat16())
         torch.autograd.grad(out, (q, k, v1), g.bfloat16())
 
-    def fused(bf16):
+    def fused(bf16, amx=True):
         def call():
-            out = native_fused_products(q, k, v1, scale, cxx, bf16)
-            torch.autograd.grad(out, (q, k, v1), g)
+            amx_tiles(cxx, amx)
+            try:
+                out = native_fused_products(q, k, v1, scale, cxx, bf16)
+                torch.autograd.grad(out, (q, k, v1), g)
+            finally:
+                amx_tiles(cxx, True)
 
         return call
 
-    return {
+    cases = {
         "native map, bfloat16 products": unfused,
         "fused, float32": fused(False),
         "fused, bfloat16 inputs": fused(True),
     }
+    if amx_tiles(cxx):  # the default there: the AVX512-BF16 loops beside it
+        cases["fused, bfloat16 inputs on AMX tiles"] = cases.pop("fused, bfloat16 inputs")
+        cases["fused, bfloat16 inputs, AVX512-BF16 loops"] = fused(True, amx=False)
+    return cases
 
 
 def attention_cases(args, gen):
