@@ -21,9 +21,9 @@ the sums run in another order than the GEMMs': the error is float32 rounding. Wi
 rounded to bfloat16 as the unfused bfloat16 GEMMs take them, and multiplied with the CPU's
 bfloat16 dot products (AVX512-BF16: two pairs a lane; on CPUs with AMX, Intel Sapphire
 Rapids and later, as tile dot products of 16 × 32 by 32 × 16, zero-padded to whole tiles),
-accumulating in float32; the state and the results stay float32. A CPU without the instruction runs the float32 kernel instead
-(closer to exact than asked). Head sizes 16, 32, 48 and 64 (multiples of the 16-float
-vectors the loops are written in).
+accumulating in float32; the state and the results stay float32. A CPU without the
+instruction runs the float32 kernel instead (closer to exact than asked). Head sizes 16, 32,
+48 and 64 (multiples of the 16-float vectors the loops are written in).
 """
 
 from __future__ import annotations
