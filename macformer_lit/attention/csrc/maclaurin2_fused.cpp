@@ -23,7 +23,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -414,13 +414,15 @@ void pullback_tile_bf16(const float* x, const float* y, const uint32_t* Sw, cons
 // ---- AMX tiles (Intel Sapphire Rapids and later) ---------------------------------------------
 // The same bfloat16 products as tile dot products: TDPBF16PS multiplies a 16 × 32 bfloat16 tile
 // by a 32 × 16 one stored two rows to a word (the packing above) into a 16 × 16 float32
-// accumulator, 16 times the work of one vdpbf16ps. Inputs rounded as above, so the results
-// differ from the vdpbf16ps loops' only in the order of the float32 sums. Operands are padded
-// with zeros to whole tiles (features to 16 or 32, rows to 32). Linux gives a process the
-// tiles' state when it asks (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads its tile
-// configuration before its tiles and releases them after. maclaurin2_amx() turns them off (the
-// vdpbf16ps loops then run), for tests and comparisons.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// accumulator, 256 times the multiply-adds of one vdpbf16ps. The inputs are rounded to
+// bfloat16 as above (by vcvtneps2bf16: the same bits but for subnormals, flushed to zero, which
+// both dot products treat as zero anyway), so the results differ from the vdpbf16ps loops'
+// only in the order of the float32 sums. Operands are padded with zeros to whole tiles
+// (features to 16 or 32, rows to 32). Linux (only) gives a process the tiles' state when it
+// asks (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads its tile configuration before its
+// tiles and releases them after. maclaurin2_amx() turns them off (the vdpbf16ps loops then
+// run), for tests and comparisons.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define HAVE_AMX 1
 
 int amx_wanted = 1;
