@@ -336,6 +336,23 @@ inline void apply_block_bf16(const uint16_t* rows, int64_t Dp, const uint32_t* S
         for (int v = 0; v < DV; ++v) vstore(out + int64_t(i) * e + 16 * v, acc[i][v]);
 }
 
+// The apply's last column (the denominator's) of n rows of bfloat16 features (row stride
+// `stride`): Σ over the W feature pairs of the row's pair · the last column's pair.
+inline void last_column_bf16(const uint16_t* rows, int64_t stride, int64_t W,
+                             const uint32_t* lastw, float* out, int n, int e, int d) {
+    for (int r = 0; r < n; ++r) {
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(rows + int64_t(r) * stride);
+        vf acc = vf{};
+        int64_t q = 0;
+        for (; q + 16 <= W; q += 16) acc = dot2(acc, words(w + q), words(lastw + q));
+        float s = hsum(acc);
+        for (; q < W; ++q)
+            s += from_bf16(uint16_t(w[q])) * from_bf16(uint16_t(lastw[q])) +
+                 from_bf16(uint16_t(w[q] >> 16)) * from_bf16(uint16_t(lastw[q] >> 16));
+        out[int64_t(r) * e + d] = s;
+    }
+}
+
 template <int DV>
 void apply_tile_bf16(const float* x, const uint32_t* Sp, const uint32_t* lastw, const float* scale,
                      float* out, float* tile, uint16_t* rows, int n, int64_t D, float c) {
@@ -356,19 +373,7 @@ void apply_tile_bf16(const float* x, const uint32_t* Sp, const uint32_t* lastw, 
     in_blocks<NB>(n, [&](auto B, int64_t i) {
         apply_block_bf16<DV, B>(rows + i * Dp, Dp, Sp, out + i * e, e);
     });
-    // The last column: Σ over feature pairs of the row's pair · the last column's pair.
-    const int64_t W = Dp / 2;
-    for (int r = 0; r < n; ++r) {
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(rows + int64_t(r) * Dp);
-        vf acc = vf{};
-        int64_t q = 0;
-        for (; q + 16 <= W; q += 16) acc = dot2(acc, words(w + q), words(lastw + q));
-        float s = hsum(acc);
-        for (; q < W; ++q)
-            s += from_bf16(uint16_t(w[q])) * from_bf16(uint16_t(lastw[q])) +
-                 from_bf16(uint16_t(w[q] >> 16)) * from_bf16(uint16_t(lastw[q] >> 16));
-        out[int64_t(r) * e + d] = s;
-    }
+    last_column_bf16(rows, Dp, Dp / 2, lastw, out, n, e, d);
 }
 
 // hT[f][r] = Σ over column pairs of (S[f][2q], S[f][2q+1])·(y[r][2q], y[r][2q+1]), rows in
@@ -617,19 +622,7 @@ void apply_tile_amx(const float* x, const uint32_t* Sp, const uint32_t* lastw, c
             apply_blocks_amx<false>(rows, Dk, Sp, d, ob, jb);
     }
     for (int r = 0; r < n; ++r) std::memcpy(out + int64_t(r) * e, ob + int64_t(r) * d, d * 4);
-    // The last column as in apply_tile_bf16: Σ over feature pairs of row · last column.
-    const int64_t W = Dp / 2;
-    for (int r = 0; r < n; ++r) {
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(rows + int64_t(r) * Dk);
-        vf acc = vf{};
-        int64_t q = 0;
-        for (; q + 16 <= W; q += 16) acc = dot2(acc, words(w + q), words(lastw + q));
-        float s = hsum(acc);
-        for (; q < W; ++q)
-            s += from_bf16(uint16_t(w[q])) * from_bf16(uint16_t(lastw[q])) +
-                 from_bf16(uint16_t(w[q] >> 16)) * from_bf16(uint16_t(lastw[q] >> 16));
-        out[int64_t(r) * e + d] = s;
-    }
+    last_column_bf16(rows, Dk, Dp / 2, lastw, out, n, e, d);
 }
 
 // As pullback_tile_bf16, hT by tiles: hT (Dq × TILE) = Sw (Dq × Qp column pairs, zeros past
