@@ -64,6 +64,8 @@ inline void in_blocks(int64_t n, F fn) {
 }
 
 constexpr int TILE = 32;  // rows of φ built at once: TILE × D' floats (72 KB at d = 32)
+
+inline int64_t up_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 static_assert(TILE == LANES, "the pullback hands a tile to backward_block's lanes");
 
 // float rows in and out of the map's templates (function objects: inlined, where a function
@@ -468,8 +470,6 @@ struct Tiles {
     Tiles& operator=(const Tiles&) = delete;
 };
 
-inline int64_t up_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
 // The state's rows KT tiles at a time (128 rows, 64 row pairs): the accumulators are loaded
 // and stored once for every KT tiles, not for every tile (fewer where the rows end).
 constexpr int KT = 4, NPC = KT * TILE / 2;
@@ -724,15 +724,16 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
     const int64_t tiles = (L + TILE - 1) / TILE;
 #if defined(__AVX512BF16__)
     if (bf16) {
-        // S rounded: two features to a word for the first d columns; the last column.
-        const int64_t Dp = D + D % 2;
-        std::vector<uint32_t> Sp(G * (Dp / 2) * d);
+        // S rounded: two features to a word for the first d columns, W pairs a group (on AMX
+        // whole K blocks of 32 features, zeros past D'); the last column.
+        const int64_t Dp = D + D % 2, Dk = up_to(D, 32), W = use_amx() ? Dk / 2 : Dp / 2;
+        std::vector<uint32_t> Sp(G * W * d, 0u);
         parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
             for (int64_t g = lo; g < hi; ++g) {
                 const float* Sg = S + g * D * e;
                 for (int64_t q = 0; q < Dp / 2; ++q)
                     for (int col = 0; col < d; ++col)
-                        Sp[(g * (Dp / 2) + q) * d + col] = pack2(
+                        Sp[(g * W + q) * d + col] = pack2(
                             Sg[2 * q * e + col], 2 * q + 1 < D ? Sg[(2 * q + 1) * e + col] : 0.0f);
             }
         });
@@ -743,11 +744,6 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
                     pack2(last[g * D + 2 * q], 2 * q + 1 < D ? last[g * D + 2 * q + 1] : 0.0f);
 #if HAVE_AMX
         if (use_amx()) {
-            // Sp again with whole K blocks (Dk / 2 pairs, zeros past D').
-            const int64_t Dk = up_to(D, 32), W = Dp / 2, K = Dk / 2;
-            std::vector<uint32_t> Sk(G * K * d, 0u);
-            for (int64_t g = 0; g < G; ++g)
-                std::memcpy(Sk.data() + g * K * d, Sp.data() + g * W * d, sizeof(uint32_t) * W * d);
             parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
                 Tiles amx;
                 std::vector<float> tile(TILE * D), ob(TILE * d);
@@ -755,8 +751,8 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
                 for (int64_t item = lo; item < hi; ++item) {
                     const int64_t g = item / tiles, r0 = (item % tiles) * TILE;
                     const int n = int(L - r0 < TILE ? L - r0 : TILE);
-                    apply_tile_amx<DV>(x + (g * L + r0) * d, Sk.data() + g * K * d,
-                                       lastw.data() + g * W, scale, out + (g * L + r0) * e,
+                    apply_tile_amx<DV>(x + (g * L + r0) * d, Sp.data() + g * W * d,
+                                       lastw.data() + g * (Dp / 2), scale, out + (g * L + r0) * e,
                                        tile.data(), rows.data(), ob.data(), n, D, Dk, c);
                 }
             });
@@ -769,7 +765,7 @@ void apply_all(const float* x, const float* S, const float* scale, float* out, i
             for (int64_t item = lo; item < hi; ++item) {
                 const int64_t g = item / tiles, r0 = (item % tiles) * TILE;
                 const int n = int(L - r0 < TILE ? L - r0 : TILE);
-                apply_tile_bf16<DV>(x + (g * L + r0) * d, Sp.data() + g * (Dp / 2) * d,
+                apply_tile_bf16<DV>(x + (g * L + r0) * d, Sp.data() + g * W * d,
                                     lastw.data() + g * (Dp / 2), scale,
                                     out + (g * L + r0) * e, tile.data(), rows.data(), n, D, c);
             }
@@ -795,22 +791,22 @@ void pullback_all(const float* x, const float* S, const float* y, const float* s
     const int64_t tiles = (L + TILE - 1) / TILE;
 #if defined(__AVX512BF16__)
     if (bf16) {
-        constexpr int Q = (e + 1) / 2;  // S rounded, two columns to a word
+        // S rounded, two columns to a word: Sw (G, Dq, Qp) of Q = ⌈e/2⌉ pairs a row; on AMX
+        // whole tiles, Dq features and Qp pairs (zeros past D' and past e).
+        constexpr int Q = (e + 1) / 2;
+        const bool amx = use_amx();
+        const int64_t Dq = amx ? up_to(D, 16) : D;
+        const int Qp = amx ? (Q + 15) / 16 * 16 : Q;
+        std::vector<uint32_t> Sw(G * Dq * Qp, 0u);
+        parallel_rows(G * D, threads, [&](int64_t lo, int64_t hi) {
+            for (int64_t gf = lo; gf < hi; ++gf) {
+                uint32_t* w = Sw.data() + ((gf / D) * Dq + gf % D) * Qp;
+                for (int q = 0; q < Q; ++q)
+                    w[q] = pack2(S[gf * e + 2 * q], 2 * q + 1 < e ? S[gf * e + 2 * q + 1] : 0.0f);
+            }
+        });
 #if HAVE_AMX
-        if (use_amx()) {
-            // Whole tiles: Dq features (zeros past D'), Qp column pairs (zeros past e).
-            const int64_t Dq = up_to(D, 16);
-            constexpr int Qp = (Q + 15) / 16 * 16;
-            std::vector<uint32_t> Sw(G * Dq * Qp, 0u);
-            parallel_rows(G, threads, [&](int64_t lo, int64_t hi) {
-                for (int64_t g = lo; g < hi; ++g)
-                    for (int64_t f = 0; f < D; ++f)
-                        for (int q = 0; q < Q; ++q) {
-                            const float* Sf = S + (g * D + f) * e;
-                            Sw[(g * Dq + f) * Qp + q] =
-                                pack2(Sf[2 * q], 2 * q + 1 < e ? Sf[2 * q + 1] : 0.0f);
-                        }
-            });
+        if (amx) {
             parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
                 Tiles amx;
                 std::vector<float> hT(Dq * TILE);
@@ -826,13 +822,6 @@ void pullback_all(const float* x, const float* S, const float* y, const float* s
             return;
         }
 #endif
-        std::vector<uint32_t> Sw(G * D * Q);
-        parallel_rows(G * D, threads, [&](int64_t lo, int64_t hi) {
-            for (int64_t gf = lo; gf < hi; ++gf)
-                for (int q = 0; q < Q; ++q)
-                    Sw[gf * Q + q] =
-                        pack2(S[gf * e + 2 * q], 2 * q + 1 < e ? S[gf * e + 2 * q + 1] : 0.0f);
-        });
         parallel_rows(G * tiles, threads, [&](int64_t lo, int64_t hi) {
             std::vector<float> hT(D * TILE);
             std::vector<uint32_t> yT2(Q * TILE);
