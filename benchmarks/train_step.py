@@ -23,7 +23,8 @@ Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``sof
 ``macformer_native`` (the same with ``native_map: true``: the native map on CPUs),
 ``macformer_fused`` (maclaurin_ppsbn_fused.yaml: map and products fused, float32: the native
 kernel on CPUs, Triton's on GPUs), ``macformer_fused_bf16`` (the same with ``feature_dtype:
-bfloat16``: bfloat16 dot products), ``macformer_auto`` (maclaurin_ppsbn_auto.yaml: the
+bfloat16``: bfloat16 dot products), ``macformer_fused_bf16_eager_sbn`` (the same with
+ppSBN's eager passes: ``native_sbn: false``), ``macformer_auto`` (maclaurin_ppsbn_auto.yaml: the
 kernels this machine chooses),
 ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
@@ -245,6 +246,12 @@ def all_backends(config_dir: Path) -> list[Backend]:
                 {**attention_yaml(config_dir, "maclaurin_ppsbn_fused"),
                  "feature_dtype": "bfloat16"},
                 "attention/maclaurin_ppsbn_fused.yaml + feature_dtype: bfloat16"),
+        Backend("macformer_fused_bf16_eager_sbn",
+                "the same with ppSBN's eager passes (native_sbn: false)",
+                {**attention_yaml(config_dir, "maclaurin_ppsbn_fused"),
+                 "feature_dtype": "bfloat16", "native_sbn": False},
+                "attention/maclaurin_ppsbn_fused.yaml + feature_dtype: bfloat16, "
+                "native_sbn: false"),
         Backend("macformer_auto", "degree-2 Maclaurin + ppSBN, kernels chosen by the machine",
                 attention_yaml(config_dir, "maclaurin_ppsbn_auto"),
                 "attention/maclaurin_ppsbn_auto.yaml"),

@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# The sources of the library: the map (maclaurin2.h, maclaurin2_map.cpp) and the fused
-# attention's products (maclaurin2_fused.cpp, native_fused.py).
-SOURCES = ("maclaurin2.h", "maclaurin2_map.cpp", "maclaurin2_fused.cpp")
+# The sources of the library: the map (maclaurin2.h, maclaurin2_map.cpp), the fused
+# attention's products (maclaurin2_fused.cpp, native_fused.py) and ppSBN's passes
+# (ppsbn.cpp, native_sbn.py).
+SOURCES = ("maclaurin2.h", "maclaurin2_map.cpp", "maclaurin2_fused.cpp", "ppsbn.cpp")
 
 # -ffp-contract=fast: the fused products' a·b + c as one FMA (the map's forward multiplies
 # only, so its rows are the same bits either way).
@@ -121,6 +122,12 @@ def _library(compiler: str) -> ctypes.CDLL:
         "maclaurin2_pullback": [ptr] * 5 + [i64, i64] + [i32] * 3,
         "maclaurin2_bf16_dot": [],
         "maclaurin2_amx": [i32],
+        "sbn_moment": [ptr] * 4 + [i64] * 3 + [i32] * 2,
+        "sbn_normalise": [ptr] * 7 + [i64] * 3 + [i32] * 2,
+        "sbn_backward_sums": [ptr] * 6 + [i64] * 3 + [i32] * 2,
+        "sbn_backward_apply": [ptr] * 9 + [i64] * 3 + [i32] * 2,
+        "post_sbn_forward": [ptr] * 5 + [i64] * 3 + [i32] * 3,
+        "post_sbn_backward": [ptr] * 7 + [i64] * 3 + [i32] * 3,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

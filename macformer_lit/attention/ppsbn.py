@@ -15,6 +15,9 @@ Post-SBN: out ← sign(γ·out)·|γ·out|^β, γ and β per (head, channel), β
 init (identity); ``post_sbn_power: false`` keeps γ·out only, and ``post_sbn_gamma: shared``
 one γ for all heads, as the SchoenbAt release has it (docs/release.md). The release's
 PostSBN reads ``out`` before assigning it; not here. All of it runs in fp32.
+``native_sbn: true`` runs pre-SBN's batch-statistics passes and post-SBN's power on float32
+CPU tensors as native loops (native_sbn.py: the same maths in a few passes instead of
+dozens); a Maclaurin backend with ``auto_kernels: true`` turns it on where a C++ compiler is.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from torch import nn
 
 from .base import AttentionBackend, check_inputs
 from .feature_attention import FeatureAttention
+from .maclaurin import cxx_compiler
+from .native_map import library
+from .native_sbn import NativePostSBN, NativeStandardiseNormalise, normalise, runs_natively
 from .pieces import batch_slices
 from .reference import post_sbn_reference, pre_sbn_reference, reference_forward
 
@@ -231,6 +237,7 @@ class PPSBNAttention(AttentionBackend):
         temperature_lr: float | None = 0.01,
         post_sbn_power: bool = True,
         post_sbn_gamma: Literal["head", "shared"] = "head",
+        native_sbn: bool = False,
         causal_queries: bool = False,
     ) -> None:
         """
@@ -243,6 +250,9 @@ class PPSBNAttention(AttentionBackend):
                 the model's); None: the model's own.
             post_sbn_power: the power β of post-SBN (false: γ·out only, as released).
             post_sbn_gamma: ``head``: γ (and β) per head and channel; ``shared``: per channel.
+            native_sbn: pre-SBN's batch statistics and post-SBN's power as native loops on
+                float32 CPU tensors (native_sbn.py; needs a C++ compiler); on by itself
+                under a Maclaurin backend's ``auto_kernels: true`` where a compiler is.
         """
         super().__init__()
         if sbn_stats not in ("batch", "row"):
@@ -279,6 +289,25 @@ class PPSBNAttention(AttentionBackend):
             )
         if post_sbn_gamma not in ("head", "shared"):
             raise ValueError(f"post_sbn_gamma must be 'head' or 'shared'; got {post_sbn_gamma!r}")
+        if native_sbn and not (pre_sbn or post_sbn):
+            raise ValueError(
+                "native_sbn acts on pre-SBN and post-SBN: set pre_sbn or post_sbn: true"
+            )
+        if native_sbn and cxx_compiler() is None:
+            raise ValueError(
+                "native_sbn: true needs a C++ compiler on PATH (g++, clang++ or $CXX): "
+                "install one, or set native_sbn: false"
+            )
+        if getattr(inner, "auto_kernels", False) and getattr(inner, "_compiler", None):
+            native_sbn = pre_sbn or post_sbn  # the machine's choice found a compiler
+        # The compiler found once; the library built now, so a build that fails says so
+        # before training.
+        self._compiler = cxx_compiler() if native_sbn else None
+        if native_sbn:
+            library(self._compiler, "native_sbn")
+            if hasattr(inner, "kernel_choice"):  # the run record's line (provenance.py)
+                inner.kernel_choice += "; ppSBN: native_sbn"
+        self.native_sbn = native_sbn
         self.inner, self.pre_sbn, self.post_sbn = inner, pre_sbn, post_sbn
         self.sbn_eps, self.sbn_momentum = sbn_eps, sbn_momentum
         self.sbn_stats, self.sbn_train_stats = sbn_stats, sbn_train_stats
@@ -322,8 +351,12 @@ class PPSBNAttention(AttentionBackend):
     def extra_repr(self) -> str:
         return (
             f"pre_sbn={self.pre_sbn}, post_sbn={self.post_sbn}, sbn_stats={self.sbn_stats}, "
-            f"sbn_eps={self.sbn_eps}, temperature_max={self.temperature_max}"
+            f"sbn_eps={self.sbn_eps}, temperature_max={self.temperature_max}, "
+            f"native_sbn={self.native_sbn}"
         )
+
+    def _native(self, x: torch.Tensor) -> bool:
+        return self.native_sbn and runs_natively(x)
 
     def temperature(self) -> torch.Tensor:
         """τ per head, (H, 1, 1): log τ = log τ_max · tanh(θ / log τ_max), θ = 0 at init."""
@@ -361,22 +394,37 @@ class PPSBNAttention(AttentionBackend):
         sq = _batch_total(x, w, slices, lambda t: (t - mean.detach()).square())
         return mean, _all_reduce(sq, differentiable) / n, n
 
-    def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool):
+    def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool, tau=None):
+        """x standardised and L2-normalised per row, times ``tau`` (H, 1, 1) where given."""
         if self.sbn_stats == "batch" and not running:
             # Training on batch statistics: the fused forward/backward (same numbers).
             w, n = _row_weights(x, mask)
             # eps as a tensor: a Python float argument becomes symbolic under torch.compile's
             # dynamic shapes, which autograd.Function tracing does not support.
             eps = torch.full((), self.sbn_eps, dtype=x.dtype, device=x.device)
-            y, mean, var = _BatchStandardiseNormalise.apply(x, w, n, eps)
+            if self._native(x):  # the temperature folded into the normalisation's pass
+                w = None if mask is None else mask.to(x.dtype).contiguous()
+                y, mean, var = NativeStandardiseNormalise.apply(
+                    x, w, n, eps, tau, self._compiler, lambda t: _all_reduce(t, False)
+                )
+                tau = None
+            else:
+                y, mean, var = _BatchStandardiseNormalise.apply(x, w, n, eps)
             if update:
                 self._update_running(which, mean, var, n)
-            return y
+            return y if tau is None else y * tau
+        y = self._pre_sbn_eager(x, mask, which, update)
+        return y if tau is None else y * tau
+
+    def _pre_sbn_eager(self, x, mask, which: int, update: bool):
+        """Row statistics, or the running estimates (evaluation, leak-free training)."""
         if self.sbn_stats == "row":
             x = x - x.mean(-1, keepdim=True)
             x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.sbn_eps)
             return F.normalize(x, dim=-1)
         shift, scale = self._running_affine(x, mask, which, update)
+        if self._native(x) and not (torch.is_grad_enabled() and x.requires_grad):
+            return normalise(x, shift, scale, self._compiler)
         slices = batch_slices(x)
         if len(slices) == 1 or (torch.is_grad_enabled() and x.requires_grad):
             return F.normalize(torch.addcmul(shift, x, scale), dim=-1)
@@ -406,15 +454,16 @@ class PPSBNAttention(AttentionBackend):
         self.running_var[which].lerp_(unbiased[:, 0], self.sbn_momentum)
 
     def _pre_sbn(self, q, k, q_mask, k_mask, running: bool, update: bool):
-        q = self._pre_sbn_one(q, q_mask, 0, running, update)
+        tau = self.temperature() if self.temperature_max is not None else None
+        q = self._pre_sbn_one(q, q_mask, 0, running, update, tau)
         k = self._pre_sbn_one(k, k_mask, 1, running, update)
-        if self.temperature_max is not None:
-            q = q * self.temperature()
         return q, k
 
     def _post_sbn(self, out):
         if not self.post_sbn_power:
             return self.gamma * out
+        if out.dim() == 4 and self._native(out):
+            return NativePostSBN.apply(out, self.gamma, self.log_beta, self._compiler)
         return _PostSBN.apply(out, self.gamma, self.log_beta)
 
     def _finish(self, out, ct):

@@ -47,6 +47,7 @@ MODEL_SUPPLIED = ("self", "inner", "head_dim", "num_heads", "causal_queries", "l
 # The wrapper's switches; its other options act inside pre-SBN (or post-SBN, below).
 SBN_SWITCHES = ("pre_sbn", "post_sbn")
 POST_OPTIONS = ("post_sbn_power", "post_sbn_gamma")
+EITHER_OPTIONS = ("native_sbn",)  # acts on both halves: either switch will do
 # Where the model builds an attention: the role decides which options make sense.
 ROLES = ("encoder", "decoder", "cross")
 
@@ -258,7 +259,14 @@ def parse_spec(
     post = [key for key in sbn if key in POST_OPTIONS]
     if post and not sbn.get("post_sbn"):
         raise ValueError(f"option(s) {', '.join(post)} act inside post-SBN: set post_sbn: true")
-    inside = [key for key in sbn if key not in SBN_SWITCHES and key not in POST_OPTIONS]
+    either = [key for key in sbn if key in EITHER_OPTIONS]
+    if either and not (sbn.get("pre_sbn") or sbn.get("post_sbn")):
+        raise ValueError(
+            f"option(s) {', '.join(either)} act on pre-SBN and post-SBN: set pre_sbn or "
+            "post_sbn: true"
+        )
+    outside = (*SBN_SWITCHES, *POST_OPTIONS, *EITHER_OPTIONS)
+    inside = [key for key in sbn if key not in outside]
     if inside and not sbn.get("pre_sbn"):
         raise ValueError(f"option(s) {', '.join(inside)} act inside pre-SBN: set pre_sbn: true")
     sbn.setdefault("pre_sbn", False)

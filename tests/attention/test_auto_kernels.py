@@ -25,7 +25,9 @@ def _core(attn):
 
 @needs_cxx
 def test_a_cpu_with_a_compiler_takes_the_native_kernels():
-    attn = _core(_auto())
+    wrapper = _auto()
+    attn = _core(wrapper)
+    assert wrapper.native_sbn  # ppSBN's passes native too (attention/native_sbn.py)
     assert attn.native_map and attn.native_fused and not attn.triton_fused
     assert attn.feature_dtype == ("bfloat16" if bf16_dot(CXX) else "float32")
     want = "AMX tiles" if amx_tiles(CXX) else "AVX512-BF16" if bf16_dot(CXX) else "a C++ compiler"
@@ -44,8 +46,10 @@ def test_head_sizes_the_fused_kernel_lacks_keep_the_native_map():
 def test_no_compiler_and_no_gpu_is_eager_float32(monkeypatch):
     monkeypatch.setattr(maclaurin_module, "cxx_compiler", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    attn = _core(_auto())
+    wrapper = _auto()
+    attn = _core(wrapper)
     assert not (attn.native_map or attn.native_fused or attn.triton_fused or attn.compile_map)
+    assert not wrapper.native_sbn
     assert attn.feature_dtype == "float32"
     assert attn.kernel_choice == "auto: eager, float32 (CPU without a C++ compiler)"
 

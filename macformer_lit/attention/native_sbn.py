@@ -1,0 +1,155 @@
+"""ppSBN's passes as native CPU loops (``native_sbn: true``; csrc/ppsbn.cpp, docs/maths.md §10).
+
+Pre-SBN with batch statistics and post-SBN's signed power are elementwise work over tensors
+the size of q, k and the output: eager, each is 7 to 12 ATen passes, most of them writing a
+temporary (at the ListOps preset a 16 MB tensor a pass). Here:
+
+    pre-SBN forward   two passes for the moments (Σ w·x, then Σ w·(x − μ)²), one writing
+                      y = z/‖z‖ with z = (x − μ)/σ (and τ·y for the queries: the temperature
+                      folded in)
+    pre-SBN backward  one pass for the two per-channel sums of the batch-norm backward (and
+                      τ's gradient), one writing ∂x
+    post-SBN          one pass forward (y·exp((β − 1)·log|y|), log|y| kept), one backward
+
+The DDP all-reduces of the moments and of the backward's sums run between the passes, as
+in the eager functions (ppsbn.py), whose maths these are. Sums accumulate in float64 a
+(batch entry, head) at a time and then over the batch in order: the same bits on any thread
+count. exp and log are Cephes' float32 polynomials (within 2 ulp), written so that the
+loops vectorise. float32 CPU tensors only: anything else (float64, CUDA, torch.compile's
+tracing) takes the eager functions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .native_map import library
+
+
+def runs_natively(x: torch.Tensor) -> bool:
+    """Whether ``native_sbn`` takes x: a float32 CPU tensor, outside torch.compile's tracing."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
+def _dims(x: torch.Tensor):
+    B, H, L, d = x.shape
+    return B, H, L, d, torch.get_num_threads()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _moment(lib, x, w, mean) -> torch.Tensor:
+    """(H, d) float64: Σ w·x over the batch and positions, or Σ w·(x − mean)²."""
+    out = torch.empty(x.shape[1], x.shape[3], dtype=torch.float64)
+    lib.sbn_moment(x.data_ptr(), _ptr(w), _ptr(mean), out.data_ptr(), *_dims(x))
+    return out
+
+
+def normalise(x, shift, inv_std, compiler: str) -> torch.Tensor:
+    """y = z/‖z‖ per row, z = shift + x·inv_std ((H, 1, d) each), without a graph (the
+    running estimates' path: evaluation, leak-free training)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    shift, inv_std = shift.float().contiguous(), inv_std.float().contiguous()
+    library(compiler).sbn_normalise(
+        x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), None, y.data_ptr(), None, None,
+        *_dims(x),
+    )  # fmt: skip
+    return y
+
+
+class NativeStandardiseNormalise(torch.autograd.Function):
+    """Pre-SBN with batch statistics (ppsbn._BatchStandardiseNormalise's maths) on a float32
+    CPU x (B, H, L, d): y = z/‖z‖, z = (x − μ)/σ per (head, channel) over the batch and the
+    real positions, times ``tau`` (H, 1, 1) where given. ``w``: (B, L) float32 weights of
+    the real positions, or None; ``n``: their count over the ranks. Returns (y or τ·y, μ,
+    σ²), μ and σ² (H, 1, d) without gradients. ``reduce``: the all-reduce over ranks of a
+    tensor (ppsbn._all_reduce's, non-differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, w, n, eps, tau, compiler, reduce):
+        lib, x = library(compiler), x.contiguous()
+        B, H, L, d = x.shape
+        nd = n.double()
+        mean = (reduce(_moment(lib, x, w, None)) / nd).float()
+        var = (reduce(_moment(lib, x, w, mean)) / nd).float()
+        inv_std = torch.rsqrt(var + eps)
+        shift = -mean * inv_std
+        y = torch.empty_like(x)
+        y_tau = None if tau is None else torch.empty_like(x)
+        norm = x.new_empty(B, H, L)
+        t = None if tau is None else tau.detach().float().reshape(H).contiguous()
+        lib.sbn_normalise(
+            x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), _ptr(t), y.data_ptr(),
+            _ptr(y_tau), norm.data_ptr(), *_dims(x),
+        )  # fmt: skip
+        ctx.save_for_backward(y, norm, inv_std, w, n, t)
+        ctx.compiler, ctx.reduce = compiler, reduce
+        mean, var = mean[:, None], var[:, None]
+        ctx.mark_non_differentiable(mean, var)
+        return (y if tau is None else y_tau), mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g, _gmean, _gvar):
+        y, norm, inv_std, w, n, t = ctx.saved_tensors
+        lib, g = library(ctx.compiler), g.contiguous()
+        H, d = y.shape[1], y.shape[3]
+        sums = torch.empty(2, H, d, dtype=torch.float64)
+        g_tau = torch.empty(H, dtype=torch.float64) if t is not None else None
+        lib.sbn_backward_sums(
+            y.data_ptr(), norm.data_ptr(), g.data_ptr(), _ptr(t), sums.data_ptr(),
+            _ptr(g_tau), *_dims(y),
+        )  # fmt: skip
+        means = (ctx.reduce(sums) / n.double()).float()  # (2, H, d): Σ gz/n, Σ gz·ẑ/n
+        gx = torch.empty_like(y)
+        lib.sbn_backward_apply(
+            y.data_ptr(), norm.data_ptr(), g.data_ptr(), _ptr(t), _ptr(w), means[0].data_ptr(),
+            means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_dims(y),
+        )  # fmt: skip
+        g_tau = None if g_tau is None else g_tau.float().view(H, 1, 1)
+        return gx, None, None, None, g_tau, None, None
+
+
+class NativePostSBN(torch.autograd.Function):
+    """Post-SBN, sign(y)·|y|^β with y = γ·out (ppsbn._PostSBN's maths), on a float32 CPU
+    out (B, H, L, d); γ and log β (Hg, 1, d), Hg = H or 1 (shared)."""
+
+    @staticmethod
+    def forward(ctx, out, gamma, log_beta, compiler):
+        lib, out = library(compiler), out.contiguous()
+        gamma_ = gamma.detach().float().contiguous()
+        beta = log_beta.detach().exp().float().contiguous()
+        result, log_abs = torch.empty_like(out), torch.empty_like(out)
+        shared = int(gamma.shape[0] == 1)
+        lib.post_sbn_forward(
+            out.data_ptr(), gamma_.data_ptr(), beta.data_ptr(), result.data_ptr(),
+            log_abs.data_ptr(), *_dims(out)[:4], shared, torch.get_num_threads(),
+        )  # fmt: skip
+        ctx.save_for_backward(out, log_abs, gamma, log_beta)
+        ctx.compiler = compiler
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        out, log_abs, gamma, log_beta = ctx.saved_tensors
+        lib, g = library(ctx.compiler), g.contiguous()
+        Hg, d = gamma.shape[0], out.shape[3]
+        gamma_, beta = gamma.float().contiguous(), log_beta.exp().float().contiguous()
+        g_out, sums = torch.empty_like(out), torch.empty(2, Hg, d, dtype=torch.float64)
+        lib.post_sbn_backward(
+            g.data_ptr(), out.data_ptr(), log_abs.data_ptr(), gamma_.data_ptr(),
+            beta.data_ptr(), g_out.data_ptr(), sums.data_ptr(), *_dims(out)[:4],
+            int(Hg == 1), torch.get_num_threads(),
+        )  # fmt: skip
+        sums = sums.to(gamma.dtype)[:, :, None]  # (2, Hg, 1, d)
+        return (
+            g_out,
+            sums[0] * beta.to(gamma.dtype),
+            sums[1] * (beta * gamma_).to(gamma.dtype),
+            None,
+        )

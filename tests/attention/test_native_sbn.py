@@ -1,0 +1,181 @@
+"""ppSBN's native passes (``native_sbn: true``, attention/native_sbn.py): post-SBN's power within
+its float32 rounding bound (exp and log are the kernel's own polynomials), the whole ppSBN
+attention's output, input and parameter gradients and running estimates no further from
+float64 than the eager float32 path's, the same bits on any thread count, the same
+statistics across DDP ranks, float64 left to the eager functions, and the option's
+refusals and its choice under ``auto_kernels``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from native_support import CXX, U32, needs_cxx
+
+from macformer_lit.attention import build_attention
+from macformer_lit.attention import ppsbn as ppsbn_module
+from macformer_lit.attention.native_sbn import NativePostSBN
+from macformer_lit.attention.ppsbn import _PostSBN
+
+pytestmark = needs_cxx
+
+H, D = 2, 32
+TINY, HUGE = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+def _ppsbn(name, native, gamma="head", **extra):
+    kw = dict(pre_sbn=True, post_sbn=True, temperature_max=32.0, temperature_init=4.0)
+    attn = build_attention(
+        name, head_dim=D, num_heads=H, native_sbn=native, post_sbn_gamma=gamma, **kw, **extra
+    )
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        attn.gamma.copy_(torch.rand(attn.gamma.shape, generator=g) + 0.5)
+        attn.log_beta.copy_(torch.rand(attn.log_beta.shape, generator=g) * 0.6 - 0.3)
+    return attn
+
+
+def _run(attn, q, k, v, mask, grad, dtype):
+    """Training output, the gradients of q, k, v, γ, log β and τ's parameter, the running
+    estimates after the step, and the evaluation output after it, in float64."""
+    attn = copy.deepcopy(attn).to(dtype).train()
+    q, k, v = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
+    out = attn(q, k, v, key_padding_mask=mask)
+    out.backward(grad.to(dtype))
+    params = (attn.gamma, attn.log_beta, attn.temperature_logit)
+    with torch.no_grad():
+        evaluated = attn.eval()(q, k, v, key_padding_mask=mask)
+    found = [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in params)]
+    found += [attn.running_mean, attn.running_var, evaluated]
+    return [t.double() for t in found]
+
+
+NAMES = "out ∂q ∂k ∂v ∂γ ∂logβ ∂τ running_mean running_var eval_out".split()
+
+
+def _inputs(masked, B=3, N=37, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, N, D, generator=g) * 2 + 0.3 for _ in range(3))
+    mask = torch.ones(B, N, dtype=torch.bool)
+    if masked:
+        mask[1, 20:] = False
+        mask[2, 30:] = False
+    return q, k, v, mask, torch.randn(B, H, N, D, generator=g)
+
+
+@pytest.mark.parametrize("gamma", ["head", "shared"])
+@pytest.mark.parametrize("masked", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("name", ["maclaurin", "softmax"])
+def test_no_further_from_float64_than_the_eager_passes(name, masked, gamma):
+    """Every result's worst error (relative to its largest float64 value) is at most 4× the
+    eager float32 path's worst error, or 32 float32 roundings where that is smaller: the
+    native passes compute the same maths with fewer roundings (sums in float64), so they
+    are no less accurate than the passes they replace (measured here: 0.3–1.6×)."""
+    q, k, v, mask, grad = _inputs(masked)
+    extra = {"native_fused": True} if name == "maclaurin" else {}
+    exact = _run(_ppsbn(name, False, gamma, **extra), q, k, v, mask, grad, torch.float64)
+    eager = _run(_ppsbn(name, False, gamma, **extra), q, k, v, mask, grad, torch.float32)
+    native = _run(_ppsbn(name, True, gamma, **extra), q, k, v, mask, grad, torch.float32)
+    for what, e64, e32, n32 in zip(NAMES, exact, eager, native):
+        size = e64.abs().max()
+        err_eager, err_native = (e32 - e64).abs().max() / size, (n32 - e64).abs().max() / size
+        assert err_native <= max(4 * err_eager, 32 * U32), (what, err_native, err_eager)
+
+
+def test_post_sbn_power_within_its_rounding_bound():
+    """result = y·exp((β − 1)·log|y|), y = γ·out, over |y| from 1e-35 to 1e35 and β from
+    0.5 to 2: with log and exp each within 2 ulp, the relative error is at most
+    u·(6 + 5|t| + β|l|), l = log|y|, t = (β − 1)·l (the roundings of y, of t and of the
+    product, the functions' 2 ulp of l and of exp(t), and β's own rounding times l);
+    results beyond float32's range are ±inf and below its normal range at most its
+    smallest normal, as the eager power's. The gradients' sums are covered above."""
+    g = torch.Generator().manual_seed(0)
+    B, L = 4, 4000
+    exponent = torch.empty(B, H, L, D).uniform_(-80, 80, generator=g)
+    sign = torch.randint(0, 2, (B, H, L, D), generator=g) * 2 - 1
+    out = (sign * exponent.exp()).float()
+    gamma = torch.rand(H, 1, D, generator=g) + 0.5
+    log_beta = torch.rand(H, 1, D, generator=g) * 1.4 - 0.7
+    native = NativePostSBN.apply(out, gamma, log_beta, CXX).double()
+    exact = _PostSBN.apply(out.double(), gamma.double(), log_beta.double())
+    y = gamma.double() * out.double()
+    beta = log_beta.double().exp()
+    l = y.abs().log()
+    t = ((beta - 1) * l).abs()
+    normal = (exact.abs() >= TINY) & (exact.abs() <= HUGE)
+    bound = U32 * (6 + 5 * t + beta * l.abs()) * exact.abs()
+    assert ((native - exact).abs() <= bound)[normal].all()
+    assert normal.float().mean() > 0.5  # most of the range is tested
+    over, under = exact.abs() > HUGE, exact.abs() < TINY
+    assert over.any() and under.any()
+    assert torch.equal(native[over], exact[over].sign() * float("inf"))
+    assert (native[under].abs() <= TINY).all()
+
+
+def test_same_bits_on_any_thread_count():
+    q, k, v, mask, grad = _inputs(True, B=5, N=41, seed=1)
+    attn = _ppsbn("softmax", True)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            runs.append(_run(attn, q, k, v, mask, grad, torch.float32))
+    finally:
+        torch.set_num_threads(before)
+    for what, *found in zip(NAMES, *runs):
+        assert all(torch.equal(found[0], other) for other in found[1:]), what
+
+
+def test_float64_takes_the_eager_passes():
+    q, k, v, mask, grad = _inputs(True)
+    native = _run(_ppsbn("softmax", True), q, k, v, mask, grad, torch.float64)
+    eager = _run(_ppsbn("softmax", False), q, k, v, mask, grad, torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(native, eager))
+
+
+def _ddp_worker(rank, port, q, k, v, mask, grad, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        shard = slice(rank * 2, rank * 2 + 2)
+        found = _run(_ppsbn("softmax", True), q[shard], k[shard], v[shard], mask[shard],
+                     grad[shard], torch.float32)  # fmt: skip
+        results[rank] = found[1:3] + found[7:9]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_statistics_and_their_backward_cross_ranks():
+    """Two ranks of two entries each against one process with all four: the moments and
+    the backward's per-channel sums all-reduced between the passes, so the running
+    estimates and each rank's input gradients are the whole batch's (float32 apart)."""
+    q, k, v, mask, grad = _inputs(True, B=4)
+    mask[3, 5:] = False
+    whole = _run(_ppsbn("softmax", True), q, k, v, mask, grad, torch.float32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_ddp_worker, args=(port, q, k, v, mask, grad, results), nprocs=2)
+    for rank in range(2):
+        shard = slice(rank * 2, rank * 2 + 2)
+        gq, gk, mean, var = results[rank]
+        torch.testing.assert_close(gq, whole[1][shard], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gk, whole[2][shard], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mean, whole[7], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(var, whole[8], rtol=1e-6, atol=1e-7)
+
+
+def test_refusals_and_the_automatic_choice(monkeypatch):
+    with pytest.raises(ValueError, match="native_sbn act on pre-SBN and post-SBN"):
+        build_attention("softmax", head_dim=D, num_heads=H, native_sbn=True)
+    auto = build_attention("maclaurin", head_dim=D, num_heads=H, pre_sbn=True, auto_kernels=True)
+    assert auto.native_sbn
+    monkeypatch.setattr(ppsbn_module, "cxx_compiler", lambda: None)
+    with pytest.raises(ValueError, match="native_sbn: true needs a C\\+\\+ compiler"):
+        build_attention("softmax", head_dim=D, num_heads=H, pre_sbn=True, native_sbn=True)
