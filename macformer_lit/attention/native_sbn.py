@@ -27,14 +27,19 @@ from torch.autograd.function import once_differentiable
 from .native_map import library
 
 
-def runs_natively(x: torch.Tensor) -> bool:
-    """Whether ``native_sbn`` takes x: a float32 CPU tensor, outside torch.compile's tracing."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+def runs_natively(x: torch.Tensor, bf16: bool = False) -> bool:
+    """Whether ``native_sbn`` takes x: a float32 CPU tensor (or bfloat16 where ``bf16``: pre-SBN
+    reads bfloat16 q and k as they come from autocast's projections, without a cast), outside
+    torch.compile's tracing."""
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    return x.device.type == "cpu" and x.dtype in dtypes and not torch.compiler.is_compiling()
 
 
-def _dims(x: torch.Tensor):
+def _dims(x: torch.Tensor, dtype_flag: bool = False):
+    """(B, H, L, d[, bf16], threads) of x, the kernels' trailing arguments."""
     B, H, L, d = x.shape
-    return B, H, L, d, torch.get_num_threads()
+    flag = (int(x.dtype == torch.bfloat16),) if dtype_flag else ()
+    return B, H, L, d, *flag, torch.get_num_threads()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -44,7 +49,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _moment(lib, x, w, mean) -> torch.Tensor:
     """(H, d) float64: Σ w·x over the batch and positions, or Σ w·(x − mean)²."""
     out = torch.empty(x.shape[1], x.shape[3], dtype=torch.float64)
-    lib.sbn_moment(x.data_ptr(), _ptr(w), _ptr(mean), out.data_ptr(), *_dims(x))
+    lib.sbn_moment(x.data_ptr(), _ptr(w), _ptr(mean), out.data_ptr(), *_dims(x, True))
     return out
 
 
@@ -52,18 +57,19 @@ def normalise(x, shift, inv_std, compiler: str) -> torch.Tensor:
     """y = z/‖z‖ per row, z = shift + x·inv_std ((H, 1, d) each), without a graph (the
     running estimates' path: evaluation, leak-free training)."""
     x = x.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=torch.float32)
     shift, inv_std = shift.float().contiguous(), inv_std.float().contiguous()
     library(compiler).sbn_normalise(
         x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), None, y.data_ptr(), None, None,
-        *_dims(x),
+        *_dims(x, True),
     )  # fmt: skip
     return y
 
 
 class NativeStandardiseNormalise(torch.autograd.Function):
     """Pre-SBN with batch statistics (ppsbn._BatchStandardiseNormalise's maths) on a float32
-    CPU x (B, H, L, d): y = z/‖z‖, z = (x − μ)/σ per (head, channel) over the batch and the
+    or bfloat16 CPU x (B, H, L, d), computed in float32 (y float32; ∂x in x's dtype, rounded
+    as a cast of the float32 gradient would be): y = z/‖z‖, z = (x − μ)/σ per (head, channel) over the batch and the
     real positions, times ``tau`` (H, 1, 1) where given. ``w``: (B, L) float32 weights of
     the real positions, or None; ``n``: their count over the ranks. Returns (y or τ·y, μ,
     σ²), μ and σ² (H, 1, d) without gradients. ``reduce``: the all-reduce over ranks of a
@@ -78,16 +84,16 @@ class NativeStandardiseNormalise(torch.autograd.Function):
         var = (reduce(_moment(lib, x, w, mean)) / nd).float()
         inv_std = torch.rsqrt(var + eps)
         shift = -mean * inv_std
-        y = torch.empty_like(x)
-        y_tau = None if tau is None else torch.empty_like(x)
-        norm = x.new_empty(B, H, L)
+        y = torch.empty_like(x, dtype=torch.float32)
+        y_tau = None if tau is None else torch.empty_like(y)
+        norm = y.new_empty(B, H, L)
         t = None if tau is None else tau.detach().float().reshape(H).contiguous()
         lib.sbn_normalise(
             x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), _ptr(t), y.data_ptr(),
-            _ptr(y_tau), norm.data_ptr(), *_dims(x),
+            _ptr(y_tau), norm.data_ptr(), *_dims(x, True),
         )  # fmt: skip
         ctx.save_for_backward(y, norm, inv_std, w, n, t)
-        ctx.compiler, ctx.reduce = compiler, reduce
+        ctx.compiler, ctx.reduce, ctx.x_dtype = compiler, reduce, x.dtype
         mean, var = mean[:, None], var[:, None]
         ctx.mark_non_differentiable(mean, var)
         return (y if tau is None else y_tau), mean, var
@@ -105,10 +111,10 @@ class NativeStandardiseNormalise(torch.autograd.Function):
             _ptr(g_tau), *_dims(y),
         )  # fmt: skip
         means = (ctx.reduce(sums) / n.double()).float()  # (2, H, d): Σ gz/n, Σ gz·ẑ/n
-        gx = torch.empty_like(y)
+        gx = torch.empty_like(y, dtype=ctx.x_dtype)
         lib.sbn_backward_apply(
             y.data_ptr(), norm.data_ptr(), g.data_ptr(), _ptr(t), _ptr(w), means[0].data_ptr(),
-            means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_dims(y),
+            means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_dims(gx, True),
         )  # fmt: skip
         g_tau = None if g_tau is None else g_tau.float().view(H, 1, 1)
         return gx, None, None, None, g_tau, None, None

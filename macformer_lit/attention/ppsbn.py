@@ -52,13 +52,14 @@ def _all_reduce(t: torch.Tensor, differentiable: bool) -> torch.Tensor:
     return t
 
 
-def _row_weights(x: torch.Tensor, mask: torch.Tensor | None):
+def _row_weights(x: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype | None = None):
     """(w, n): the (B, 1, L, 1) weights of real rows of x (B, H, L, d), None when all are
-    real, and their number summed over DDP ranks (at least 1)."""
+    real, and their number summed over DDP ranks (at least 1), in ``dtype`` (x's if None)."""
+    dtype = dtype or x.dtype
     if mask is None:
-        w, n = None, x.new_tensor(float(x.shape[0] * x.shape[2]))
+        w, n = None, x.new_tensor(float(x.shape[0] * x.shape[2]), dtype=dtype)
     else:
-        w, n = mask[:, None, :, None].to(x.dtype), mask.sum().to(x.dtype)
+        w, n = mask[:, None, :, None].to(dtype), mask.sum().to(dtype)
     return w, _all_reduce(n, False).clamp_min(1.0)
 
 
@@ -395,15 +396,22 @@ class PPSBNAttention(AttentionBackend):
         return mean, _all_reduce(sq, differentiable) / n, n
 
     def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool, tau=None):
-        """x standardised and L2-normalised per row, times ``tau`` (H, 1, 1) where given."""
-        if self.sbn_stats == "batch" and not running:
+        """x standardised and L2-normalised per row, times ``tau`` (H, 1, 1) where given, in
+        float32 or wider. The native batch-statistics pass reads a bfloat16 x as it is; every
+        other path computes on x cast to float32."""
+        ct = torch.promote_types(x.dtype, torch.float32)
+        batch = self.sbn_stats == "batch" and not running
+        native = batch and self.native_sbn and runs_natively(x, bf16=True)
+        if not native:
+            x = x.to(ct)
+        if batch:
             # Training on batch statistics: the fused forward/backward (same numbers).
-            w, n = _row_weights(x, mask)
+            w, n = _row_weights(x, mask, ct)
             # eps as a tensor: a Python float argument becomes symbolic under torch.compile's
             # dynamic shapes, which autograd.Function tracing does not support.
-            eps = torch.full((), self.sbn_eps, dtype=x.dtype, device=x.device)
-            if self._native(x):  # the temperature folded into the normalisation's pass
-                w = None if mask is None else mask.to(x.dtype).contiguous()
+            eps = torch.full((), self.sbn_eps, dtype=ct, device=x.device)
+            if native:  # the temperature folded into the normalisation's pass
+                w = None if mask is None else mask.to(ct).contiguous()
                 y, mean, var = NativeStandardiseNormalise.apply(
                     x, w, n, eps, tau, self._compiler, lambda t: _all_reduce(t, False)
                 )
@@ -483,14 +491,16 @@ class PPSBNAttention(AttentionBackend):
         dtype = q.dtype
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            q, k, v = q.to(ct), k.to(ct), v.to(ct)
-            if self.pre_sbn:
+            v = v.to(ct)
+            if self.pre_sbn:  # casts q and k itself (the native pass reads bfloat16)
                 if query_padding_mask is None and causal:
                     query_padding_mask = key_padding_mask
                 running = not self.training or self.leak_free(causal)
                 q, k = self._pre_sbn(
                     q, k, query_padding_mask, key_padding_mask, running, update=self.training
                 )
+            else:
+                q, k = q.to(ct), k.to(ct)
             if (
                 self.post_sbn
                 and isinstance(self.inner, FeatureAttention)

@@ -179,3 +179,22 @@ def test_refusals_and_the_automatic_choice(monkeypatch):
     monkeypatch.setattr(ppsbn_module, "cxx_compiler", lambda: None)
     with pytest.raises(ValueError, match="native_sbn: true needs a C\\+\\+ compiler"):
         build_attention("softmax", head_dim=D, num_heads=H, pre_sbn=True, native_sbn=True)
+
+
+def test_bfloat16_queries_and_keys_read_without_a_cast():
+    """Under bf16 autocast q and k arrive in bfloat16: the native batch-statistics pass reads
+    them as they are. The same bits as casting them to float32 first: the output, and the
+    input gradients rounded to bfloat16 to nearest even as autograd's cast rounds them."""
+    q, k, v, mask, grad = _inputs(True)
+    attn = _ppsbn("maclaurin", True, native_fused=True).train()
+    q, k, v, grad = (t.bfloat16() for t in (q, k, v, grad))
+    found = []
+    for cast in (False, True):
+        model = copy.deepcopy(attn)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        qq, kk = (t.float() for t in leaves[:2]) if cast else leaves[:2]
+        out = model(qq, kk, leaves[2], key_padding_mask=mask)
+        out.backward(grad.to(out.dtype))
+        found.append([out.detach().bfloat16(), *(t.grad for t in leaves), model.running_var])
+    for what, a, b in zip(["out", "∂q", "∂k", "∂v", "running_var"], *found):
+        assert a.dtype == b.dtype and torch.equal(a, b), what

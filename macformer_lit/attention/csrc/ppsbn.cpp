@@ -127,23 +127,28 @@ void batch_total(const Layout& s, int width, const double* part, double* out) {
 extern "C" {
 
 // out (H, d) = Σ over the batch and positions of w·x (mean null) or w·(x − mean)² (mean:
-// (H, d) float32, the batch mean as the caller rounded it).
-int sbn_moment(const float* x, const float* w, const float* mean, double* out, int64_t B,
-               int64_t H, int64_t L, int d, int threads) {
+// (H, d) float32, the batch mean as the caller rounded it). x float32, or bfloat16 bits
+// (bf16 = 1: read as the float32 it converts to exactly).
+int sbn_moment(const void* x, const float* w, const float* mean, double* out, int64_t B,
+               int64_t H, int64_t L, int d, int bf16, int threads) {
     const Layout s{B, H, L, d};
     std::vector<double> part(B * H * d);
-    group_sums(s, d, part.data(), threads, [&](int64_t r, double* acc) {
-        const float* xr = x + r * d;
-        const double wr = w ? double(w[s.position(r)]) : 1.0;
-        if (mean) {
-            const float* m = mean + s.head(r) * d;
-            for (int c = 0; c < d; ++c) {
-                const double t = double(xr[c]) - double(m[c]);
-                acc[c] += wr * t * t;
+    with_rows_type(bf16, [&](auto e) {
+        using E = decltype(e);
+        const auto* xx = static_cast<const typename E::T*>(x);
+        group_sums(s, d, part.data(), threads, [&](int64_t r, double* acc) {
+            const auto* xr = xx + r * d;
+            const double wr = w ? double(w[s.position(r)]) : 1.0;
+            if (mean) {
+                const float* m = mean + s.head(r) * d;
+                for (int c = 0; c < d; ++c) {
+                    const double t = double(E::load(xr[c])) - double(m[c]);
+                    acc[c] += wr * t * t;
+                }
+            } else {
+                for (int c = 0; c < d; ++c) acc[c] += wr * double(E::load(xr[c]));
             }
-        } else {
-            for (int c = 0; c < d; ++c) acc[c] += wr * double(xr[c]);
-        }
+        });
     });
     batch_total(s, d, part.data(), out);
     return 0;
@@ -151,27 +156,32 @@ int sbn_moment(const float* x, const float* w, const float* mean, double* out, i
 
 // y = z/‖z‖ per row with z = shift + x·inv_std ((H, d) each); norm (B, H, L) = ‖z‖ (at
 // least 1e-12); with tau ((H,) float32, or null) also y_tau = τ_h·y (the queries' output),
-// y kept for the backward. y_tau may be null.
-int sbn_normalise(const float* x, const float* shift, const float* inv_std, const float* tau,
+// y kept for the backward. y_tau may be null. x float32 or bfloat16 bits (bf16 = 1).
+int sbn_normalise(const void* x, const float* shift, const float* inv_std, const float* tau,
                   float* y, float* y_tau, float* norm, int64_t B, int64_t H, int64_t L, int d,
-                  int threads) {
+                  int bf16, int threads) {
     const Layout s{B, H, L, d};
-    parallel_rows(B * H * L, threads, [&](int64_t lo, int64_t hi) {
-        for (int64_t r = lo; r < hi; ++r) {
-            const int64_t h = s.head(r);
-            const float *xr = x + r * d, *sh = shift + h * d, *is = inv_std + h * d;
-            float* yr = y + r * d;
-            for (int c = 0; c < d; ++c) yr[c] = sh[c] + xr[c] * is[c];
-            float n = std::sqrt(dot16(yr, yr, d));
-            n = n > 1e-12f ? n : 1e-12f;
-            if (norm) norm[r] = n;
-            for (int c = 0; c < d; ++c) yr[c] = yr[c] / n;
-            if (tau && y_tau) {
-                const float t = tau[h];
-                float* yt = y_tau + r * d;
-                for (int c = 0; c < d; ++c) yt[c] = yr[c] * t;
+    with_rows_type(bf16, [&](auto e) {
+        using E = decltype(e);
+        const auto* xx = static_cast<const typename E::T*>(x);
+        parallel_rows(B * H * L, threads, [&](int64_t lo, int64_t hi) {
+            for (int64_t r = lo; r < hi; ++r) {
+                const int64_t h = s.head(r);
+                const auto* xr = xx + r * d;
+                const float *sh = shift + h * d, *is = inv_std + h * d;
+                float* yr = y + r * d;
+                for (int c = 0; c < d; ++c) yr[c] = sh[c] + E::load(xr[c]) * is[c];
+                float n = std::sqrt(dot16(yr, yr, d));
+                n = n > 1e-12f ? n : 1e-12f;
+                if (norm) norm[r] = n;
+                for (int c = 0; c < d; ++c) yr[c] = yr[c] / n;
+                if (tau && y_tau) {
+                    const float t = tau[h];
+                    float* yt = y_tau + r * d;
+                    for (int c = 0; c < d; ++c) yt[c] = yr[c] * t;
+                }
             }
-        }
+        });
     });
     return 0;
 }
@@ -208,27 +218,32 @@ int sbn_backward_sums(const float* y, const float* norm, const float* g, const f
 }
 
 // gx = (gz − w·(mean_g + y‖z‖·mean_gz))·inv_std, gz as above; mean_g, mean_gz (H, d) the
-// sums over the real rows' count (all-reduced across ranks by the caller).
+// sums over the real rows' count (all-reduced across ranks by the caller). gx float32, or
+// bfloat16 bits (bf16 = 1: rounded to nearest even, as a cast of the float32 gradient).
 int sbn_backward_apply(const float* y, const float* norm, const float* g, const float* tau,
                        const float* w, const float* mean_g, const float* mean_gz,
-                       const float* inv_std, float* gx, int64_t B, int64_t H, int64_t L, int d,
-                       int threads) {
+                       const float* inv_std, void* gx, int64_t B, int64_t H, int64_t L, int d,
+                       int bf16, int threads) {
     const Layout s{B, H, L, d};
-    parallel_rows(B * H * L, threads, [&](int64_t lo, int64_t hi) {
-        for (int64_t r = lo; r < hi; ++r) {
-            const int64_t h = s.head(r);
-            const float *yr = y + r * d, *gr = g + r * d;
-            const float *mg = mean_g + h * d, *mz = mean_gz + h * d, *is = inv_std + h * d;
-            const float t = tau ? tau[h] : 1.0f, n = norm[r];
-            const float wr = w ? w[s.position(r)] : 1.0f;
-            const float dot = dot16(gr, yr, d) * t;
-            float* o = gx + r * d;
-            for (int c = 0; c < d; ++c) {
-                const float gz = (gr[c] * t - yr[c] * dot) / n;
-                const float corr = (mg[c] + (yr[c] * n) * mz[c]) * wr;
-                o[c] = (gz - corr) * is[c];
+    with_rows_type(bf16, [&](auto e) {
+        using E = decltype(e);
+        auto* gxx = static_cast<typename E::T*>(gx);
+        parallel_rows(B * H * L, threads, [&](int64_t lo, int64_t hi) {
+            for (int64_t r = lo; r < hi; ++r) {
+                const int64_t h = s.head(r);
+                const float *yr = y + r * d, *gr = g + r * d;
+                const float *mg = mean_g + h * d, *mz = mean_gz + h * d, *is = inv_std + h * d;
+                const float t = tau ? tau[h] : 1.0f, n = norm[r];
+                const float wr = w ? w[s.position(r)] : 1.0f;
+                const float dot = dot16(gr, yr, d) * t;
+                auto* o = gxx + r * d;
+                for (int c = 0; c < d; ++c) {
+                    const float gz = (gr[c] * t - yr[c] * dot) / n;
+                    const float corr = (mg[c] + (yr[c] * n) * mz[c]) * wr;
+                    o[c] = E::store((gz - corr) * is[c]);
+                }
             }
-        }
+        });
     });
     return 0;
 }
