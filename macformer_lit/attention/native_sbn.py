@@ -69,11 +69,12 @@ def normalise(x, shift, inv_std, compiler: str) -> torch.Tensor:
 class NativeStandardiseNormalise(torch.autograd.Function):
     """Pre-SBN with batch statistics (ppsbn._BatchStandardiseNormalise's maths) on a float32
     or bfloat16 CPU x (B, H, L, d), computed in float32 (y float32; ∂x in x's dtype, rounded
-    as a cast of the float32 gradient would be): y = z/‖z‖, z = (x − μ)/σ per (head, channel) over the batch and the
-    real positions, times ``tau`` (H, 1, 1) where given. ``w``: (B, L) float32 weights of
-    the real positions, or None; ``n``: their count over the ranks. Returns (y or τ·y, μ,
-    σ²), μ and σ² (H, 1, d) without gradients. ``reduce``: the all-reduce over ranks of a
-    tensor (ppsbn._all_reduce's, non-differentiable)."""
+    as a cast of the float32 gradient would be): y = z/‖z‖, z = (x − μ)/σ per (head,
+    channel) over the batch and the real positions, times ``tau`` (H, 1, 1) where given.
+    ``w``: (B, L) float32 weights of the real positions, or None; ``n``: their count over
+    the ranks. Returns (y or τ·y, μ, σ²), μ and σ² (H, 1, d) without gradients.
+    ``reduce``: the all-reduce over ranks of a tensor (ppsbn._all_reduce's,
+    non-differentiable)."""
 
     @staticmethod
     def forward(ctx, x, w, n, eps, tau, compiler, reduce):
