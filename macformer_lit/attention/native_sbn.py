@@ -1,4 +1,4 @@
-"""ppSBN's passes as native CPU loops (``native_sbn: true``; csrc/ppsbn.cpp, docs/maths.md §10).
+"""ppSBN's passes as native CPU loops (``native_sbn: true``; csrc/ppsbn.cpp, docs/maths.md §10.5).
 
 Pre-SBN with batch statistics and post-SBN's signed power are elementwise work over tensors
 the size of q, k and the output: eager, each is 7 to 12 ATen passes, most of them writing a
@@ -15,8 +15,9 @@ The DDP all-reduces of the moments and of the backward's sums run between the pa
 in the eager functions (ppsbn.py), whose maths these are. Sums accumulate in float64 a
 (batch entry, head) at a time and then over the batch in order: the same bits on any thread
 count. exp and log are Cephes' float32 polynomials (within 2 ulp), written so that the
-loops vectorise. float32 CPU tensors only: anything else (float64, CUDA, torch.compile's
-tracing) takes the eager functions.
+loops vectorise. float32 CPU tensors (and bfloat16 q and k, read without a cast by
+pre-SBN's pass): anything else (float64, CUDA, torch.compile's tracing) takes the eager
+functions.
 """
 
 from __future__ import annotations
