@@ -7,8 +7,11 @@ The eager map is d slice products and a concatenation, and its backward d sums; 
 torch.compile, inductor's loop over the slices ran far below memory bandwidth
 (benchmarks/README.md, fast options). Here each row is one loop over its D' outputs, the
 rows split over ``torch.get_num_threads()`` threads, and the compiler vectorises the loops
-(``-O3 -march=native``). The forward computes in float32 in the eager map's order and
-rounds to bfloat16 to nearest even as torch does: the rows are the eager map's, bit for bit.
+(``-O3 -march=native``). Built with OpenMP where the compiler has it, the threads are the
+OpenMP threads torch's operators use (the library links the runtime torch has loaded):
+otherwise they spin for a while after each operator and take the cores from the kernels'.
+The forward computes in float32 in the eager map's order and rounds to bfloat16 to nearest
+even as torch does: the rows are the eager map's, bit for bit.
 The backward sums in another order than autograd's (float32 rounding apart); a gradient
 stored feature-major, as the product φ(k)ᵀ[v, 1] returns φ(k)'s, is read in place by a
 second backward that puts consecutive rows side by side in the vector lanes.
@@ -44,6 +47,9 @@ SOURCES = ("maclaurin2.h", "maclaurin2_map.cpp", "maclaurin2_fused.cpp", "ppsbn.
 FLAGS = [
     "-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++17", "-pthread"
 ]  # fmt: skip
+# Tried first: OpenMP, so that the kernels run on torch's own OpenMP threads
+# (maclaurin2.h, parallel_rows); a compiler without it builds without (std::threads).
+OPENMP = ["-fopenmp"]
 MAX_HEAD_DIM = 1024
 
 
@@ -87,7 +93,7 @@ class _BuildError(Exception):
 @functools.cache
 def _library(compiler: str) -> ctypes.CDLL:
     key = hashlib.sha256(
-        "\0".join([source_text(), compiler, " ".join(FLAGS), _cpu_flags()]).encode()
+        "\0".join([source_text(), compiler, " ".join(FLAGS + OPENMP), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     path = cache_dir() / f"maclaurin_map_{key}.so"
     if not path.exists():
@@ -102,9 +108,14 @@ def _library(compiler: str) -> ctypes.CDLL:
         with tmp:
             lib = Path(tmp.name) / "map.so"
             units = [str(CSRC / name) for name in SOURCES if name.endswith(".cpp")]
-            done = subprocess.run(
-                [compiler, *FLAGS, *units, "-o", str(lib)], capture_output=True, text=True
-            )
+            for extra in (OPENMP, []):
+                done = subprocess.run(
+                    [compiler, *FLAGS, *extra, *units, "-o", str(lib)],
+                    capture_output=True,
+                    text=True,
+                )
+                if done.returncode == 0:
+                    break
             if done.returncode != 0:
                 errors = [line for line in done.stderr.splitlines() if "error" in line]
                 first = (errors or done.stderr.splitlines() or ["no message"])[0].strip()
@@ -122,6 +133,7 @@ def _library(compiler: str) -> ctypes.CDLL:
         "maclaurin2_pullback": [ptr] * 5 + [i64, i64] + [i32] * 3,
         "maclaurin2_bf16_dot": [],
         "maclaurin2_amx": [i32],
+        "maclaurin2_openmp": [],
         "sbn_moment": [ptr] * 4 + [i64] * 3 + [i32] * 3,
         "sbn_normalise": [ptr] * 7 + [i64] * 3 + [i32] * 3,
         "sbn_backward_sums": [ptr] * 6 + [i64] * 3 + [i32] * 2,

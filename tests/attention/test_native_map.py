@@ -9,8 +9,9 @@ import torch
 from native_support import CXX, U32, needs_cxx
 from native_support import scale as _scale
 
-from macformer_lit.attention import build_attention
+from macformer_lit.attention import build_attention, native_map
 from macformer_lit.attention.maclaurin import maclaurin_rows
+from macformer_lit.attention.native_fused import native_fused_products
 from macformer_lit.attention.native_map import _library, library, native_maclaurin_rows
 
 pytestmark = needs_cxx
@@ -130,6 +131,56 @@ def test_cache_folder(tmp_path, monkeypatch):
         assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # no build folder left
     finally:
         _library.cache_clear()
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files mapped into this process."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/" in line}
+    return {p for p in paths if p.rsplit("/", 1)[-1].startswith(("libgomp", "libomp", "libiomp"))}
+
+
+@pytest.mark.skipif(
+    "parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+    reason="torch's threads are not OpenMP's here",
+)
+def test_threads_are_torchs_openmp_threads():
+    """Built with OpenMP (g++ has it), the kernels run on the runtime torch loaded: one
+    OpenMP runtime in the process, not a second pool of threads competing for the cores."""
+    lib = library(CXX)
+    if "g++" in CXX:
+        assert lib.maclaurin2_openmp() == 1
+    if not lib.maclaurin2_openmp():
+        pytest.skip("this compiler built the library without OpenMP")
+    rows = native_maclaurin_rows(torch.randn(2, 2, 64, 32), _scale(32), torch.float32, CXX)
+    assert rows.shape[-1] == 561
+    assert len(_openmp_runtimes()) == 1, _openmp_runtimes()
+
+
+def test_without_openmp_the_same_bits(tmp_path, monkeypatch):
+    """A compiler without OpenMP builds the std::thread variant: the same chunks of rows, so
+    the same bits (the map, the fused products and their gradients, on three threads)."""
+    monkeypatch.setenv("MACFORMER_LIT_CACHE", str(tmp_path))
+    gen = torch.Generator().manual_seed(6)
+    q, k = torch.randn(3, 2, 101, 32, generator=gen), torch.randn(3, 2, 77, 32, generator=gen)
+    v1, g = torch.randn(3, 2, 77, 33, generator=gen), torch.randn(3, 2, 101, 33, generator=gen)
+    threads, results, builds = torch.get_num_threads(), [], []
+    try:
+        torch.set_num_threads(3)
+        for flags in (native_map.OPENMP, []):
+            monkeypatch.setattr(native_map, "OPENMP", flags)
+            _library.cache_clear()
+            builds.append(library(CXX).maclaurin2_openmp())
+            leaves = [t.clone().requires_grad_() for t in (q, k, v1)]
+            out = native_fused_products(*leaves, _scale(32), CXX, bf16=False)
+            rows = native_maclaurin_rows(q, _scale(32), torch.bfloat16, CXX)
+            results.append((rows, out, *torch.autograd.grad(out, leaves, g)))
+    finally:
+        torch.set_num_threads(threads)
+        _library.cache_clear()
+    assert builds[1] == 0 and len(list(tmp_path.glob("maclaurin_map_*.so"))) == 2
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 # The refusals of both native options: native_map (the map) and native_fused (the fused

@@ -46,20 +46,35 @@ void with_rows_type(int bf16, Body body) {
         body(F32{});
 }
 
+// body(lo, hi) over rows [0, rows) in `threads` chunks of ⌈rows / threads⌉ (the same chunks
+// whoever runs them, so the results do not depend on the runtime). Built with OpenMP
+// (native_map.py builds with -fopenmp where the compiler has it), the chunks run on the
+// OpenMP threads torch's own operators use: the library links libgomp by the name torch's
+// copy is already loaded under, so they are the same threads, which otherwise spin for a
+// while after each torch operator and take cores from threads of ours. Without OpenMP, on
+// std::threads started for the call.
 template <typename F>
 void parallel_rows(int64_t rows, int threads, F body) {
     if (threads <= 1 || rows < 2 * threads) {
         body(int64_t(0), rows);
         return;
     }
+    const int64_t step = (rows + threads - 1) / threads;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < threads; ++t) {
+        const int64_t lo = t * step, hi = lo + step < rows ? lo + step : rows;
+        if (lo < hi) body(lo, hi);
+    }
+#else
     std::vector<std::thread> pool;
-    int64_t step = (rows + threads - 1) / threads;
     for (int t = 1; t < threads; ++t) {
         int64_t lo = t * step, hi = lo + step < rows ? lo + step : rows;
         if (lo < hi) pool.emplace_back(body, lo, hi);
     }
     body(int64_t(0), step < rows ? step : rows);
     for (auto& th : pool) th.join();
+#endif
 }
 
 // One row: x (d) -> out (D' = 1 + d + d(d+1)/2) in OutT (float or bf16 bits).

@@ -446,9 +446,13 @@ inline bool use_amx() { return amx_wanted != 0 && amx_permitted(); }
 // its payload's top bits (still a NaN).
 inline vh round16_cvt(vf f) { return (vh)(__m256i)_mm512_cvtneps_pbh((__m512)f); }
 inline vu pack2v_cvt(vf lo, vf hi) {
-    const vu a = (vu)_mm512_cvtepu16_epi32((__m256i)round16_cvt(lo));
-    const vu b = (vu)_mm512_cvtepu16_epi32((__m256i)round16_cvt(hi));
-    return a | (b << 16);
+    // Both rounded by one vcvtne2ps2bf16 (lo's 16 values in the low half), then interleaved
+    // by one vpermw: word i = (lo_i, hi_i).
+    static const __m512i interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+    return (vu)_mm512_permutexvar_epi16(interleave, both);
 }
 
 struct alignas(64) TileConfig {

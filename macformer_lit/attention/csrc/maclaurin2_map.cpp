@@ -73,4 +73,13 @@ int maclaurin2_backward_lanes(const void* g, const float* x, const float* scale,
     return 0;
 }
 
+// Whether this build runs its threads on OpenMP's (parallel_rows, maclaurin2.h).
+int maclaurin2_openmp() {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 }
