@@ -264,18 +264,22 @@ class FeatureAttention(AttentionBackend):
         dtype = q.dtype
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            q, k, v = q.to(ct), k.to(ct), v.to(ct)
+            q, k = q.to(ct), k.to(ct)
             B, H, N, _ = q.shape
             M = k.shape[2]
             mask = key_padding_mask
             if mask is None:
-                ones = v.new_ones(B, H, M, 1)
+                ones = q.new_ones(B, H, M, 1)
             else:
                 keep = mask[:, None, :, None]
-                k, v = k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)
+                v = v.masked_fill(~keep, 0.0)
+                if self._keys_masked(q):
+                    k = k.masked_fill(~keep, 0.0)
                 ones = keep.to(ct).expand(B, H, M, 1)
             # [v, 1]: numerator and denominator from the same products; zero at padded keys.
-            v1 = torch.cat([v, ones], dim=-1)  # (B, H, M, d+1)
+            # v (bfloat16 under autocast) reaches ct in the concatenation itself (exactly:
+            # every bfloat16 is a float32), one pass fewer than a cast first.
+            v1 = torch.cat([v, ones], dim=-1).to(ct)  # (B, H, M, d+1); .to: v wider than ct
             if causal:
                 out, den_scale = self._causal(q, k, v1, mask)
                 if mask is None:
@@ -290,6 +294,13 @@ class FeatureAttention(AttentionBackend):
                 return v1.cumsum(2) if causal else v1.sum(2, keepdim=True)
 
             return self._normalise(out, count, den_scale, visible_sums).to(dtype)
+
+    def _keys_masked(self, q) -> bool:
+        """Whether padded keys are zeroed before the features: their rows of [v, 1] are zero,
+        so they reach neither sum whatever k holds there, but a feature map may read every
+        key (random features' statistics, the unfused products' rows). A backend whose
+        products only ever weight φ(k_l) by [v_l, 1] can skip the copy."""
+        return True
 
     def _bidirectional(self, q, k, v1, mask):
         """(φ(q)ᵀ[φ(k)ᵀ v1], den_scale): every query over every key; padded keys are zero in

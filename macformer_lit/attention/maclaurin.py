@@ -305,6 +305,12 @@ class MaclaurinAttention(FeatureAttention):
             return "native"
         return None
 
+    def _keys_masked(self, q) -> bool:
+        """The fused kernels weight φ(k_l) by [v_l, 1] alone (zero at a padded key, and so is
+        ∂k_l = J_φ(k_l)ᵀ(∂S [v_l, 1])): k's copy with padded keys zeroed is not needed. The
+        unfused path builds every key's row and keeps them: zeroed as before."""
+        return self._fused_kernel(q) is None
+
     def _bidirectional(self, q, k, v1, mask):
         kernel, bf16 = self._fused_kernel(q), self.feature_dtype == "bfloat16"
         if kernel == "triton":

@@ -149,6 +149,48 @@ def test_attention_equals_the_unfused_float32_one(causal, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+class _Inputs(torch.overrides.TorchFunctionMode):
+    """The first arguments of the torch calls whose name contains ``name``."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name, self.inputs = name, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.name in getattr(func, "__name__", "") and args:
+            self.inputs.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("feature_dtype", ["float32", "bfloat16"])
+def test_padded_keys_need_no_zeroing(causal, feature_dtype):
+    """The fused path leaves k's padded rows as they are (one masked copy, v's, not two):
+    whatever they hold, the output and every gradient are the same bits as with them zero,
+    and k's gradient there is zero."""
+    attn = build_attention(
+        dict(name="maclaurin", native_fused=True, feature_dtype=feature_dtype),
+        head_dim=32, num_heads=2,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    q0, k0, v0 = (torch.randn(2, 2, 90, 32, generator=g) for _ in "qkv")
+    mask = torch.ones(2, 90, dtype=torch.bool)
+    mask[1, 50:] = False
+    pad = ~mask[:, None, :, None]
+    results = []
+    for k_pad in (torch.zeros_like(k0), 30.0 * torch.randn(k0.shape, generator=g)):
+        q, v = q0.clone().requires_grad_(), v0.clone().requires_grad_()
+        k = torch.where(pad, k_pad, k0).requires_grad_()
+        with _Inputs("masked_fill") as masked:
+            out = attn(q, k, v, key_padding_mask=mask, causal=causal)
+        assert any(t is v for t in masked.inputs) and not any(t is k for t in masked.inputs)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(9))).sum().backward()
+        assert not k.grad[pad.expand_as(k)].any()
+        results.append((out, q.grad, k.grad, v.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_bf16_autocast_computes_in_float32():
     """Under bf16 autocast the attention computes in float32 (attend_now casts up), so the
     fused kernel serves it and ``feature_dtype`` does not apply: the same bits as float32
