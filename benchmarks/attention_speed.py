@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from macformer_lit.attention import build_attention
-from macformer_lit.attention.maclaurin import cxx_compiler
+from macformer_lit.attention.native_map import cxx_compiler
 
 try:
     from benchmarks._common import (

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import shutil
 from typing import Any, Literal, get_args
 
 import torch
@@ -40,7 +38,7 @@ from .feature_attention import FeatureAttention, KeyFeatures, QueryFeatures
 from .kernels import get_kernel
 from .native_fused import HEAD_DIMS as FUSED_HEAD_DIMS
 from .native_fused import native_causal_products, native_fused_products
-from .native_map import MAX_HEAD_DIM, library, native_maclaurin_rows
+from .native_map import MAX_HEAD_DIM, cxx_compiler, library, native_maclaurin_rows
 from .pieces import PIECE_BYTES, batch_slices
 from .triton_fused import MAX_HEAD_DIM as TRITON_MAX_HEAD_DIM
 from .triton_fused import runs_on as triton_runs_on
@@ -69,12 +67,6 @@ def compiled_maclaurin_rows():
     """``maclaurin_rows`` under ``torch.compile`` (dynamic shapes: one graph for every length
     and batch), built on first use."""
     return torch.compile(maclaurin_rows, dynamic=True)
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler torch.compile's inductor would find (``$CXX``, else g++, clang++, c++)."""
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
-    return next((path for name in names if (path := shutil.which(name))), None)
 
 
 def describe_kernels(**options: Any) -> str:

@@ -30,6 +30,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -51,6 +52,12 @@ FLAGS = [
 # (maclaurin2.h, parallel_rows); a compiler without it builds without (std::threads).
 OPENMP = ["-fopenmp"]
 MAX_HEAD_DIM = 1024
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's inductor would find (``$CXX``, else g++, clang++, c++)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+    return next((path for name in names if (path := shutil.which(name))), None)
 
 
 def cache_dir() -> Path:

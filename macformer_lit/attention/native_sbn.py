@@ -36,11 +36,15 @@ def runs_natively(x: torch.Tensor, bf16: bool = False) -> bool:
     return x.device.type == "cpu" and x.dtype in dtypes and not torch.compiler.is_compiling()
 
 
-def _dims(x: torch.Tensor, dtype_flag: bool = False):
-    """(B, H, L, d[, bf16], threads) of x, the kernels' trailing arguments."""
-    B, H, L, d = x.shape
-    flag = (int(x.dtype == torch.bfloat16),) if dtype_flag else ()
-    return B, H, L, d, *flag, torch.get_num_threads()
+def _dims(x: torch.Tensor, *flag: int):
+    """(B, H, L, d, *flag, threads): the kernels' trailing arguments for x (B, H, L, d),
+    ``flag`` the kernel's switch between its sizes and its thread count (bfloat16 input,
+    or post-SBN's shared γ)."""
+    return (*x.shape, *flag, torch.get_num_threads())
+
+
+def _bf16(x: torch.Tensor) -> int:
+    return int(x.dtype == torch.bfloat16)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -50,7 +54,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _moment(lib, x, w, mean) -> torch.Tensor:
     """(H, d) float64: Σ w·x over the batch and positions, or Σ w·(x − mean)²."""
     out = torch.empty(x.shape[1], x.shape[3], dtype=torch.float64)
-    lib.sbn_moment(x.data_ptr(), _ptr(w), _ptr(mean), out.data_ptr(), *_dims(x, True))
+    lib.sbn_moment(x.data_ptr(), _ptr(w), _ptr(mean), out.data_ptr(), *_dims(x, _bf16(x)))
     return out
 
 
@@ -62,7 +66,7 @@ def normalise(x, shift, inv_std, compiler: str) -> torch.Tensor:
     shift, inv_std = shift.float().contiguous(), inv_std.float().contiguous()
     library(compiler).sbn_normalise(
         x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), None, y.data_ptr(), None, None,
-        *_dims(x, True),
+        *_dims(x, _bf16(x)),
     )  # fmt: skip
     return y
 
@@ -92,7 +96,7 @@ class NativeStandardiseNormalise(torch.autograd.Function):
         t = None if tau is None else tau.detach().float().reshape(H).contiguous()
         lib.sbn_normalise(
             x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), _ptr(t), y.data_ptr(),
-            _ptr(y_tau), norm.data_ptr(), *_dims(x, True),
+            _ptr(y_tau), norm.data_ptr(), *_dims(x, _bf16(x)),
         )  # fmt: skip
         ctx.save_for_backward(y, norm, inv_std, w, n, t)
         ctx.compiler, ctx.reduce, ctx.x_dtype = compiler, reduce, x.dtype
@@ -116,7 +120,7 @@ class NativeStandardiseNormalise(torch.autograd.Function):
         gx = torch.empty_like(y, dtype=ctx.x_dtype)
         lib.sbn_backward_apply(
             y.data_ptr(), norm.data_ptr(), g.data_ptr(), _ptr(t), _ptr(w), means[0].data_ptr(),
-            means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_dims(gx, True),
+            means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_dims(gx, _bf16(gx)),
         )  # fmt: skip
         g_tau = None if g_tau is None else g_tau.float().view(H, 1, 1)
         return gx, None, None, None, g_tau, None, None
@@ -135,7 +139,7 @@ class NativePostSBN(torch.autograd.Function):
         shared = int(gamma.shape[0] == 1)
         lib.post_sbn_forward(
             out.data_ptr(), gamma_.data_ptr(), beta.data_ptr(), result.data_ptr(),
-            log_abs.data_ptr(), *_dims(out)[:4], shared, torch.get_num_threads(),
+            log_abs.data_ptr(), *_dims(out, shared),
         )  # fmt: skip
         ctx.save_for_backward(out, log_abs, gamma, log_beta)
         ctx.compiler = compiler
@@ -151,8 +155,7 @@ class NativePostSBN(torch.autograd.Function):
         g_out, sums = torch.empty_like(out), torch.empty(2, Hg, d, dtype=torch.float64)
         lib.post_sbn_backward(
             g.data_ptr(), out.data_ptr(), log_abs.data_ptr(), gamma_.data_ptr(),
-            beta.data_ptr(), g_out.data_ptr(), sums.data_ptr(), *_dims(out)[:4],
-            int(Hg == 1), torch.get_num_threads(),
+            beta.data_ptr(), g_out.data_ptr(), sums.data_ptr(), *_dims(out, int(Hg == 1)),
         )  # fmt: skip
         sums = sums.to(gamma.dtype)[:, :, None]  # (2, Hg, 1, d)
         return (

@@ -33,8 +33,7 @@ from torch import nn
 
 from .base import AttentionBackend, check_inputs
 from .feature_attention import FeatureAttention
-from .maclaurin import cxx_compiler
-from .native_map import library
+from .native_map import cxx_compiler, library
 from .native_sbn import NativePostSBN, NativeStandardiseNormalise, normalise, runs_natively
 from .pieces import batch_slices
 from .reference import post_sbn_reference, pre_sbn_reference, reference_forward
