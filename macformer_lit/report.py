@@ -112,6 +112,8 @@ CSV_FIELDS = [
     "softmax_peak_mem_mb",
     "nmse",
     "nmse_uniform",
+    "nmse_own",
+    "nmse_uniform_own",
     "runs",
     "mixed",
     "command",
@@ -138,6 +140,8 @@ class Run:
     mem_kind: str
     nmse: float | None = None
     nmse_uniform: float | None = None
+    nmse_own: float | None = None  # against the kernel the backend computes exactly
+    nmse_uniform_own: float | None = None
     val_acc: Series = field(default_factory=list)
     telemetry: dict[str, Series] = field(default_factory=dict)
     val_majority: float | None = None  # the validation split's majority-class share
@@ -253,13 +257,15 @@ def check_finished(config: dict, rows: list[dict]) -> None:
 
 def _telemetry(rows: list[dict]) -> tuple[dict[str, Series], dict[str, float]]:
     """Per step, over layers: mean NMSEs, min logit_min and max logit_max; and the last
-    value of each layer's ``nmse`` / ``nmse_uniform`` averaged over layers."""
-    pattern = re.compile(r"telemetry/layer(\d+)/(nmse|nmse_uniform|logit_min|logit_max)$")
+    value of each layer's ``nmse`` / ``nmse_uniform`` (and ``nmse_own`` /
+    ``nmse_uniform_own``, against the kernel the backend computes exactly, where logged)
+    averaged over layers."""
+    nmses = ("nmse", "nmse_uniform", "nmse_own", "nmse_uniform_own")
+    pattern = re.compile(rf"telemetry/layer(\d+)/({'|'.join(nmses)}|logit_min|logit_max)$")
     keys = [(k, m.group(2)) for k in rows[0] if (m := pattern.match(k))]
-    reduce = {"nmse": statistics.fmean, "nmse_uniform": statistics.fmean}
-    reduce |= {"logit_min": min, "logit_max": max}
+    reduce = {q: statistics.fmean for q in nmses} | {"logit_min": min, "logit_max": max}
     series: dict[str, Series] = {q: [] for q in reduce}
-    last: dict[str, dict[str, float]] = {"nmse": {}, "nmse_uniform": {}}
+    last: dict[str, dict[str, float]] = {q: {} for q in nmses}
     for row in rows:
         per: dict[str, list[float]] = {}
         for key, quantity in keys:
@@ -314,6 +320,8 @@ def read_run(path: Path) -> Run:
         mem_kind="GPU" if gpu else "RSS",
         nmse=final.get("nmse"),
         nmse_uniform=final.get("nmse_uniform"),
+        nmse_own=final.get("nmse_own"),
+        nmse_uniform_own=final.get("nmse_uniform_own"),
         val_acc=[(float(r["step"]), v) for r, v in _values(rows, "val/acc") if r.get("step")],
         telemetry=telemetry,
         val_majority=next((v for _, v in _values(rows, "val/majority_acc")), None),
@@ -546,6 +554,10 @@ def summarise(runs: list[Run]) -> tuple[list[dict], dict[tuple, list[Run]]]:
                 "softmax_peak_mem_mb": base_mem,
                 "nmse": _mean([r.nmse for r in rs if r.nmse is not None]),
                 "nmse_uniform": _mean([r.nmse_uniform for r in rs if r.nmse_uniform is not None]),
+                "nmse_own": _mean([r.nmse_own for r in rs if r.nmse_own is not None]),
+                "nmse_uniform_own": _mean(
+                    [r.nmse_uniform_own for r in rs if r.nmse_uniform_own is not None]
+                ),
                 "runs": ";".join(str(r.path) for r in rs),
                 "_mixed": differences(rs),
                 "mixed": "; ".join(differences(rs)),
@@ -591,6 +603,12 @@ def _fmt(x: float | None, spec: str) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _own(row: dict) -> str:
+    if row.get("nmse_own") is None:
+        return "–"
+    return f"{row['nmse_own']:.2e} / {_fmt(row.get('nmse_uniform_own'), '.2e')}"
+
+
 def _acc(row: dict) -> str:
     text = _fmt(row["test_acc"], ".2f")
     return text if row.get("test_acc_std") is None else f"{text} ± {row['test_acc_std']:.2f}"
@@ -611,8 +629,9 @@ def markdown(
 ) -> str:
     lines = [
         "| task | attention | setting | seeds | test acc (%) | time (× softmax) "
-        "| peak memory (× softmax) | device | commit | NMSE vs exact | NMSE uniform |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak memory (× softmax) | device | commit | NMSE vs exact | NMSE uniform "
+        "| NMSE vs own kernel / uniform's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         time, mem = _fmt(r["time_rel"], ".2f"), _fmt(r["mem_rel"], ".2f")
@@ -625,12 +644,12 @@ def markdown(
         lines.append(
             f"| {r['task']} | {r['backend']} | {r['setting'] or '–'} | {r['seeds']} | {_acc(r)} "
             f"| {time} | {mem} | {_device_cell(r)} | {r['commit']} | {_fmt(r['nmse'], '.2e')} "
-            f"| {_fmt(r['nmse_uniform'], '.2e')} |"
+            f"| {_fmt(r['nmse_uniform'], '.2e')} | {_own(r)} |"
         )
     for r in missing:
         lines.append(
             f"| {r['task']} | – | not run: `{r['command']}` (Macformer: add "
-            f"`--config {MACFORMER_CONFIG}`) | 0 | not run | – | – | – | – | – | – |"
+            f"`--config {MACFORMER_CONFIG}`) | 0 | not run | – | – | – | – | – | – | – |"
         )
     lines += [
         "",
@@ -648,7 +667,10 @@ def markdown(
         "(docs/architecture.md §6), unless `--allow_mixed`.",
         "- NMSE: the attention telemetry's last logged `telemetry/layer*/nmse` against the "
         "exact kernel, mean over layers (then over seeds), beside uniform attention's "
-        "(`nmse_uniform`); – where the run logged no telemetry.",
+        "(`nmse_uniform`); – where the run logged no telemetry. NMSE vs own kernel: where "
+        "the backend computes another kernel exactly than the one it stands for (the "
+        "degree-2 Maclaurin map: a₀ + a₁s + a₂s², not exp), the same against that kernel's "
+        "exact attention (`nmse_own`), and uniform attention's (`nmse_uniform_own`).",
         "- rows: runs grouped by their whole config except seeds (`seed_everything`, "
         "`data.init_args.seed`) and bookkeeping (experiment, runs_dir, ckpt_path, W&B, "
         "loggers, callback paths, telemetry, memory and standard-callback settings, progress "

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from macformer_lit import cli
+from macformer_lit import cli, report
 from macformer_lit.plotting import colours_for, legend_below, plot_bands, pyplot
 from macformer_lit.report import backend_label, main, row_name
 
@@ -149,8 +149,9 @@ def test_table_numbers_come_from_the_runs_metrics(runs):
         f"| ListOps | softmax | data.tokenizer=official | 2 | {statistics.fmean(acc):.2f} ± "
         f"{std:.2f} | 1.00 ({soft_time:.3g} s) | 1.00 ({soft_mem:.0f} MB RSS) "
         f"| CPU ({soft['machine']}) | {soft['commit']} "
-        f"| {nmse:.2e} | {float(soft['nmse_uniform']):.2e} |"
+        f"| {nmse:.2e} | {float(soft['nmse_uniform']):.2e} | – |"
     ) in md
+    assert soft["nmse_own"] == rmfa["nmse_own"] == ""  # both compute the kernel they stand for
     assert (
         f"| ListOps | rmfa[exp]+ppSBN | data.tokenizer=official | 1 | {float(rmfa['test_acc']):.2f}"
         f" | {rmfa_time / soft_time:.2f} | {rmfa_mem / soft_mem:.2f} (RSS) | CPU ("
@@ -432,3 +433,22 @@ def test_curves_draw_the_validation_majority_class_and_share_colours(runs, monke
             if not label.startswith("_") and label != "majority class (validation)":
                 colour_of.setdefault(label, set()).add(line.get_color())
     assert colour_of and all(len(c) == 1 for c in colour_of.values())
+
+
+def test_own_kernel_nmse_is_read_where_logged():
+    """A degree-2 Maclaurin run logs its NMSE against the kernel it computes exactly: the
+    report takes each layer's last value, averaged over layers, beside uniform's."""
+    rows = [
+        {"step": "10", "telemetry/layer0/nmse": "0.5", "telemetry/layer0/nmse_own": "1e-5",
+         "telemetry/layer0/nmse_uniform_own": "0.3", "telemetry/layer1/nmse_own": "3e-5",
+         "telemetry/layer1/nmse_uniform_own": "0.5"},
+        {"step": "20", "telemetry/layer0/nmse": "0.6", "telemetry/layer0/nmse_own": "2e-5",
+         "telemetry/layer0/nmse_uniform_own": "0.4", "telemetry/layer1/nmse_own": "4e-5",
+         "telemetry/layer1/nmse_uniform_own": "0.6"},
+    ]  # fmt: skip
+    series, final = report._telemetry(rows)
+    assert final["nmse_own"] == pytest.approx(3e-5)
+    assert final["nmse_uniform_own"] == pytest.approx(0.5)
+    assert series["nmse_own"] == [(10.0, pytest.approx(2e-5)), (20.0, pytest.approx(3e-5))]
+    row = {"nmse_own": final["nmse_own"], "nmse_uniform_own": final["nmse_uniform_own"]}
+    assert report._own(row) == "3.00e-05 / 5.00e-01"

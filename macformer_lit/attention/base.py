@@ -18,6 +18,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .kernels import Kernel
+
 
 class AttentionBackend(nn.Module):
     """Base class: subclasses implement ``_attend`` on validated inputs, and ``reference``.
@@ -39,6 +41,9 @@ class AttentionBackend(nn.Module):
     - ``step``: one causal decoding step (a key/value cache by default).
     - ``target_kernel``: the exact kernelized attention the backend stands for (telemetry
       measures its error against it).
+    - ``own_kernel``: where the backend computes another kernel exactly than the one it
+      stands for (deterministic features of a truncated series), that kernel; telemetry
+      measures the error against it too. None: the same as ``target_kernel``.
     - ``collect_stats`` / ``last_stats``: while ``collect_stats`` is on, a forward call may
       record statistics of itself in ``last_stats``; callers use ``forward_with_stats``.
     - ``diagnose``: forensics of one forward after a non-finite value (NaNGuard); ``{}``
@@ -46,6 +51,7 @@ class AttentionBackend(nn.Module):
     """
 
     target_kernel: str = "exp"
+    own_kernel: Kernel | None = None
     random_features: ClassVar[bool] = False
     reads_query_mask: ClassVar[bool] = False
 

@@ -8,6 +8,7 @@ closed form. ``register_kernel`` adds a kernel from its coefficient and exact fu
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,26 @@ class Kernel:
     def truncated(self, x: torch.Tensor, order: int) -> torch.Tensor:
         """Σ_{N ≤ order} a_N x^N, e.g. order 1 gives the first-order baseline a₀ + a₁x."""
         return sum(self.coefficient(n) * x**n for n in range(order + 1))
+
+    def series(self, order: int) -> Kernel:
+        """The kernel Σ_{N ≤ order} a_N x^N itself (a dot-product kernel: the same
+        coefficients, zero past ``order``), defined for every x: what deterministic
+        Maclaurin features of degree ``order`` compute exactly."""
+        a = tuple(self.coefficient(n) for n in range(order + 1))
+        # partials of module functions, not lambdas: a module holding the kernel pickles.
+        return Kernel(
+            f"{self.name}[≤{order}]",
+            functools.partial(_series_coefficient, a),
+            functools.partial(_series_exact, a),
+        )
+
+
+def _series_coefficient(a: tuple[float, ...], n: int) -> float:
+    return a[n] if n < len(a) else 0.0
+
+
+def _series_exact(a: tuple[float, ...], x: torch.Tensor) -> torch.Tensor:
+    return sum(c * x**n for n, c in enumerate(a))
 
 
 def _exp_coefficient(n: int) -> float:

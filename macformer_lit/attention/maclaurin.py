@@ -238,6 +238,7 @@ class MaclaurinAttention(FeatureAttention):
         self.triton_fused = triton_fused
         self.kernel = get_kernel(kernel, bounded_inputs=bounded_inputs)
         self.target_kernel, self.degree = kernel, degree
+        self.own_kernel = self.kernel.series(degree)  # exact for these features
         a = [self.kernel.coefficient(n) for n in range(degree + 1)]
         rows, cols = torch.triu_indices(head_dim, head_dim)  # row-major: the slices' order
         weight = torch.where(rows == cols, 1.0, 2.0).double()

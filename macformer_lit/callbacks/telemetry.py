@@ -8,6 +8,10 @@ sequences; after the step the callback reruns the core on them and logs, per lay
   backend's ``target_kernel`` (after pre-SBN when it wraps the core),
 - ``.../nmse_uniform`` and ``.../nmse_first_order``: the same for uniform attention and the
   deterministic [1, x] map, the baselines that pre-SBN makes hard to beat,
+- ``.../nmse_own`` and ``.../nmse_uniform_own``: where the backend computes another kernel
+  exactly than the one it stands for (``own_kernel``: the degree-2 Maclaurin map computes
+  a₀ + a₁s + a₂s², not exp), the backend's and uniform attention's NMSE against that
+  kernel's exact attention,
 - ``.../denominator_engaged``: fraction of rows where the denominator policy acted,
 - ``.../logit_min``, ``.../logit_max``: range of q·k/√d over the real pairs,
 - ``.../temperature``, ``.../temperature_top``: ppSBN's learnable τ (mean and largest over
@@ -141,6 +145,11 @@ class AttentionTelemetry(Callback):
             "logit_min": logits[keep].min(),
             "logit_max": logits[keep].max(),
         }
+        own = getattr(core, "own_kernel", None)
+        if own is not None:
+            own_exact = kernelized_attention(q, k, v, own, mask, causal)
+            metrics["nmse_own"] = nmse(out, own_exact)
+            metrics["nmse_uniform_own"] = nmse(uniform_attention(q, k, v, mask, causal), own_exact)
         if "denominator_engaged" in stats:
             metrics["denominator_engaged"] = stats["denominator_engaged"]
         return {key: float(value) for key, value in metrics.items()}

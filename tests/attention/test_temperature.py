@@ -141,3 +141,20 @@ def test_telemetry_logs_each_layers_temperature(tmp_path):
     assert float(row["telemetry/layer0/temperature_top"]) == pytest.approx(3.0)
     assert "telemetry/layer1/temperature" not in row
     assert float(row["telemetry/layer0/nmse"]) < 1e-12  # softmax is exact at its own τ
+
+
+def test_telemetry_measures_the_degree2_map_against_its_own_kernel():
+    """The deterministic degree-2 map computes 1 + s + s²/2 exactly, not exp: at logits of
+    a few units the telemetry's NMSE against exp attention is large, against the map's own
+    kernel float32 rounding, and uniform attention's against that kernel is far above it.
+    Backends without another own kernel (RMFA estimates exp itself) log no such entry."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (3.0 * torch.randn(2, 2, 40, D, generator=g) for _ in "qkv")
+    telemetry = AttentionTelemetry()
+    core = build_attention("maclaurin", head_dim=D, num_heads=2)
+    metrics = telemetry.measure(core, q, k, v, None, False)
+    assert metrics["nmse_own"] < 1e-10
+    assert metrics["nmse"] > 1e-2
+    assert metrics["nmse_uniform_own"] > 1e-2
+    rmfa = build_attention("rmfa", head_dim=D, num_heads=2, num_features=64)
+    assert "nmse_own" not in telemetry.measure(rmfa, q / 8, k / 8, v, None, False)
