@@ -43,6 +43,28 @@ def _dims(x: torch.Tensor, *flag: int):
     return (*x.shape, *flag, torch.get_num_threads())
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself where its rows are contiguous (the kernels read any (B, H, L) strides: q
+    and k come as transposed views of the (B, L, H, d) projections), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(sb, sh, sl): the element strides of x's rows, (B, H, L, d) with d contiguous."""
+    return x.stride()[:3]
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill its storage span exactly once, in some order of its dims
+    (then a tensor with its strides can be allocated, and x's view takes it as it is)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _bf16(x: torch.Tensor) -> int:
     return int(x.dtype == torch.bfloat16)
 
@@ -54,19 +76,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _moment(lib, x, w, mean) -> torch.Tensor:
     """(H, d) float64: Σ w·x over the batch and positions, or Σ w·(x − mean)²."""
     out = torch.empty(x.shape[1], x.shape[3], dtype=torch.float64)
-    lib.sbn_moment(x.data_ptr(), _ptr(w), _ptr(mean), out.data_ptr(), *_dims(x, _bf16(x)))
+    lib.sbn_moment(
+        x.data_ptr(), _ptr(w), _ptr(mean), out.data_ptr(), *_strides(x), *_dims(x, _bf16(x))
+    )
     return out
 
 
 def normalise(x, shift, inv_std, compiler: str) -> torch.Tensor:
     """y = z/‖z‖ per row, z = shift + x·inv_std ((H, 1, d) each), without a graph (the
     running estimates' path: evaluation, leak-free training)."""
-    x = x.contiguous()
-    y = torch.empty_like(x, dtype=torch.float32)
+    x = _rows(x)
+    y = torch.empty(x.shape, dtype=torch.float32)
     shift, inv_std = shift.float().contiguous(), inv_std.float().contiguous()
     library(compiler).sbn_normalise(
         x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), None, y.data_ptr(), None, None,
-        *_dims(x, _bf16(x)),
+        *_strides(x), *_dims(x, _bf16(x)),
     )  # fmt: skip
     return y
 
@@ -83,23 +107,24 @@ class NativeStandardiseNormalise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, n, eps, tau, compiler, reduce):
-        lib, x = library(compiler), x.contiguous()
+        lib, x = library(compiler), _rows(x)
         B, H, L, d = x.shape
         nd = n.double()
         mean = (reduce(_moment(lib, x, w, None)) / nd).float()
         var = (reduce(_moment(lib, x, w, mean)) / nd).float()
         inv_std = torch.rsqrt(var + eps)
         shift = -mean * inv_std
-        y = torch.empty_like(x, dtype=torch.float32)
+        y = torch.empty(x.shape, dtype=torch.float32)  # contiguous, whatever x's layout
         y_tau = None if tau is None else torch.empty_like(y)
         norm = y.new_empty(B, H, L)
         t = None if tau is None else tau.detach().float().reshape(H).contiguous()
         lib.sbn_normalise(
             x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), _ptr(t), y.data_ptr(),
-            _ptr(y_tau), norm.data_ptr(), *_dims(x, _bf16(x)),
+            _ptr(y_tau), norm.data_ptr(), *_strides(x), *_dims(x, _bf16(x)),
         )  # fmt: skip
         ctx.save_for_backward(y, norm, inv_std, w, n, t)
-        ctx.compiler, ctx.reduce, ctx.x_dtype = compiler, reduce, x.dtype
+        ctx.compiler, ctx.reduce = compiler, reduce
+        ctx.x_meta = (x.shape, x.stride(), x.dtype, _dense(x))
         mean, var = mean[:, None], var[:, None]
         ctx.mark_non_differentiable(mean, var)
         return (y if tau is None else y_tau), mean, var
@@ -117,10 +142,18 @@ class NativeStandardiseNormalise(torch.autograd.Function):
             _ptr(g_tau), *_dims(y),
         )  # fmt: skip
         means = (ctx.reduce(sums) / n.double()).float()  # (2, H, d): Σ gz/n, Σ gz·ẑ/n
-        gx = torch.empty_like(y, dtype=ctx.x_dtype)
+        # ∂x in x's layout where x was dense (the projections' transposed view takes it
+        # back without a copy), else contiguous.
+        shape, stride, dtype, dense = ctx.x_meta
+        gx = (
+            torch.empty_strided(shape, stride, dtype=dtype)
+            if dense
+            else y.new_empty(shape, dtype=dtype)
+        )
         lib.sbn_backward_apply(
             y.data_ptr(), norm.data_ptr(), g.data_ptr(), _ptr(t), _ptr(w), means[0].data_ptr(),
-            means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_dims(gx, _bf16(gx)),
+            means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_strides(gx),
+            *_dims(gx, _bf16(gx)),
         )  # fmt: skip
         g_tau = None if g_tau is None else g_tau.float().view(H, 1, 1)
         return gx, None, None, None, g_tau, None, None

@@ -198,3 +198,32 @@ def test_bfloat16_queries_and_keys_read_without_a_cast():
         found.append([out.detach().bfloat16(), *(t.grad for t in leaves), model.running_var])
     for what, a, b in zip(["out", "∂q", "∂k", "∂v", "running_var"], *found):
         assert a.dtype == b.dtype and torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_projections_layout_read_and_written_in_place(dtype):
+    """q and k come as (B, H, N, d) views of the (B, N, H, d) projections: the native pass
+    reads them there and writes their gradients in that layout (the view's backward then
+    copies nothing), with the same bits as from contiguous copies, in training and in
+    evaluation (the running estimates' pass)."""
+    q, k, v, mask, grad = _inputs(True)
+    attn = _ppsbn("maclaurin", True, native_fused=True).train()
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    found = []
+    for layout in ("contiguous", "projection"):
+        model = copy.deepcopy(attn)
+        leaves = [t.transpose(1, 2).contiguous().clone().requires_grad_() for t in (q, k, v)]
+        views = [t.transpose(1, 2) for t in leaves]  # (B, H, N, d), not contiguous
+        if layout == "contiguous":
+            views = [t.contiguous() for t in views]
+        arriving = []  # the strides of the gradients q's and k's views receive
+        for t in views[:2]:
+            t.register_hook(lambda g, seen=arriving: seen.append(g.stride()))
+        out = model(*views, key_padding_mask=mask)
+        out.backward(grad.to(out.dtype))
+        with torch.no_grad():
+            evaluated = model.eval()(*views, key_padding_mask=mask)
+        found.append([out.detach(), *(t.grad for t in leaves), model.running_var, evaluated])
+        assert sorted(arriving) == sorted(t.stride() for t in views[:2]), layout
+    for what, a, b in zip(["out", "∂q", "∂k", "∂v", "running_var", "eval_out"], *found):
+        assert a.dtype == b.dtype and torch.equal(a, b), what

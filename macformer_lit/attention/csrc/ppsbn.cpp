@@ -4,7 +4,10 @@
 // activation-sized tensor, most of them writing a temporary; here one or two passes read
 // the rows and write only what the next step needs.
 //
-// Layout: x (B, H, L, d) float32, contiguous; a row is (b, h, l). w: the (B, L) weights of
+// Layout: x (B, H, L, d) float32, contiguous; a row is (b, h, l). Pre-SBN's input x and its
+// gradient gx may have any strides (sb, sh, sl) with d contiguous: q and k arrive as the
+// (B, L, H, d) projections' transposed views, and are read and written there without a
+// copy. w: the (B, L) weights of
 // real positions (1 real, 0 padded), or null when every position is real. Per-channel sums
 // accumulate in double, a (b, h) group at a time, then over the batch in order: the same
 // bits on any thread count, and within float32's rounding of the float64 sums
@@ -97,7 +100,10 @@ inline float dot16(const float* a, const float* b, int d) {
 // The (b, h) group of row r (rows of L positions, H heads).
 struct Layout {
     int64_t B, H, L, d;
+    int64_t sb = H * L * d, sh = L * d, sl = d;  // a strided x's element strides
     int64_t group(int64_t r) const { return r / L; }
+    // Where row r starts in the strided x.
+    int64_t at(int64_t r) const { return (r / (H * L)) * sb + ((r / L) % H) * sh + (r % L) * sl; }
     int64_t head(int64_t r) const { return (r / L) % H; }
     int64_t position(int64_t r) const { return (r / (H * L)) * L + r % L; }  // index into w
 };
@@ -129,15 +135,16 @@ extern "C" {
 // out (H, d) = Σ over the batch and positions of w·x (mean null) or w·(x − mean)² (mean:
 // (H, d) float32, the batch mean as the caller rounded it). x float32, or bfloat16 bits
 // (bf16 = 1: read as the float32 it converts to exactly).
-int sbn_moment(const void* x, const float* w, const float* mean, double* out, int64_t B,
-               int64_t H, int64_t L, int d, int bf16, int threads) {
-    const Layout s{B, H, L, d};
+int sbn_moment(const void* x, const float* w, const float* mean, double* out, int64_t sb,
+               int64_t sh, int64_t sl, int64_t B, int64_t H, int64_t L, int d, int bf16,
+               int threads) {
+    const Layout s{B, H, L, d, sb, sh, sl};
     std::vector<double> part(B * H * d);
     with_rows_type(bf16, [&](auto e) {
         using E = decltype(e);
         const auto* xx = static_cast<const typename E::T*>(x);
         group_sums(s, d, part.data(), threads, [&](int64_t r, double* acc) {
-            const auto* xr = xx + r * d;
+            const auto* xr = xx + s.at(r);
             const double wr = w ? double(w[s.position(r)]) : 1.0;
             if (mean) {
                 const float* m = mean + s.head(r) * d;
@@ -158,16 +165,16 @@ int sbn_moment(const void* x, const float* w, const float* mean, double* out, in
 // least 1e-12); with tau ((H,) float32, or null) also y_tau = τ_h·y (the queries' output),
 // y kept for the backward. y_tau may be null. x float32 or bfloat16 bits (bf16 = 1).
 int sbn_normalise(const void* x, const float* shift, const float* inv_std, const float* tau,
-                  float* y, float* y_tau, float* norm, int64_t B, int64_t H, int64_t L, int d,
-                  int bf16, int threads) {
-    const Layout s{B, H, L, d};
+                  float* y, float* y_tau, float* norm, int64_t sb, int64_t sh, int64_t sl,
+                  int64_t B, int64_t H, int64_t L, int d, int bf16, int threads) {
+    const Layout s{B, H, L, d, sb, sh, sl};
     with_rows_type(bf16, [&](auto e) {
         using E = decltype(e);
         const auto* xx = static_cast<const typename E::T*>(x);
         parallel_rows(B * H * L, threads, [&](int64_t lo, int64_t hi) {
             for (int64_t r = lo; r < hi; ++r) {
                 const int64_t h = s.head(r);
-                const auto* xr = xx + r * d;
+                const auto* xr = xx + s.at(r);
                 const float *sh = shift + h * d, *is = inv_std + h * d;
                 float* yr = y + r * d;
                 for (int c = 0; c < d; ++c) yr[c] = sh[c] + E::load(xr[c]) * is[c];
@@ -222,9 +229,9 @@ int sbn_backward_sums(const float* y, const float* norm, const float* g, const f
 // bfloat16 bits (bf16 = 1: rounded to nearest even, as a cast of the float32 gradient).
 int sbn_backward_apply(const float* y, const float* norm, const float* g, const float* tau,
                        const float* w, const float* mean_g, const float* mean_gz,
-                       const float* inv_std, void* gx, int64_t B, int64_t H, int64_t L, int d,
-                       int bf16, int threads) {
-    const Layout s{B, H, L, d};
+                       const float* inv_std, void* gx, int64_t sb, int64_t sh, int64_t sl,
+                       int64_t B, int64_t H, int64_t L, int d, int bf16, int threads) {
+    const Layout s{B, H, L, d, sb, sh, sl};
     with_rows_type(bf16, [&](auto e) {
         using E = decltype(e);
         auto* gxx = static_cast<typename E::T*>(gx);
@@ -236,7 +243,7 @@ int sbn_backward_apply(const float* y, const float* norm, const float* g, const 
                 const float t = tau ? tau[h] : 1.0f, n = norm[r];
                 const float wr = w ? w[s.position(r)] : 1.0f;
                 const float dot = dot16(gr, yr, d) * t;
-                auto* o = gxx + r * d;
+                auto* o = gxx + s.at(r);
                 for (int c = 0; c < d; ++c) {
                     const float gz = (gr[c] * t - yr[c] * dot) / n;
                     const float corr = (mg[c] + (yr[c] * n) * mz[c]) * wr;
