@@ -145,8 +145,8 @@ def _library(compiler: str) -> ctypes.CDLL:
         "sbn_normalise": [ptr] * 7 + [i64] * 6 + [i32] * 3,
         "sbn_backward_sums": [ptr] * 6 + [i64] * 3 + [i32] * 2,
         "sbn_backward_apply": [ptr] * 9 + [i64] * 6 + [i32] * 3,
-        "post_sbn_forward": [ptr] * 5 + [i64] * 3 + [i32] * 3,
-        "post_sbn_backward": [ptr] * 7 + [i64] * 3 + [i32] * 3,
+        "post_sbn_forward": [ptr] * 5 + [i64] * 6 + [i32] * 3,
+        "post_sbn_backward": [ptr] * 7 + [i64] * 6 + [i32] * 3,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -161,18 +161,23 @@ class NativeStandardiseNormalise(torch.autograd.Function):
 
 class NativePostSBN(torch.autograd.Function):
     """Post-SBN, sign(y)·|y|^β with y = γ·out (ppsbn._PostSBN's maths), on a float32 CPU
-    out (B, H, L, d); γ and log β (Hg, 1, d), Hg = H or 1 (shared)."""
+    out (B, H, L, d); γ and log β (Hg, 1, d), Hg = H or 1 (shared). The result is stored in
+    the heads' merged layout ((B, L, H, d) memory, a (B, H, L, d) view), which the model's
+    merge of the heads reads without a copy; its gradient is read in whatever layout it
+    comes."""
 
     @staticmethod
     def forward(ctx, out, gamma, log_beta, compiler):
         lib, out = library(compiler), out.contiguous()
         gamma_ = gamma.detach().float().contiguous()
         beta = log_beta.detach().exp().float().contiguous()
-        result, log_abs = torch.empty_like(out), torch.empty_like(out)
+        B, H, L, d = out.shape
+        result = out.new_empty(B, L, H, d).transpose(1, 2)
+        log_abs = torch.empty_like(out)
         shared = int(gamma.shape[0] == 1)
         lib.post_sbn_forward(
             out.data_ptr(), gamma_.data_ptr(), beta.data_ptr(), result.data_ptr(),
-            log_abs.data_ptr(), *_dims(out, shared),
+            log_abs.data_ptr(), *_strides(result), *_dims(out, shared),
         )  # fmt: skip
         ctx.save_for_backward(out, log_abs, gamma, log_beta)
         ctx.compiler = compiler
@@ -182,13 +187,14 @@ class NativePostSBN(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         out, log_abs, gamma, log_beta = ctx.saved_tensors
-        lib, g = library(ctx.compiler), g.contiguous()
+        lib, g = library(ctx.compiler), _rows(g)
         Hg, d = gamma.shape[0], out.shape[3]
         gamma_, beta = gamma.float().contiguous(), log_beta.exp().float().contiguous()
         g_out, sums = torch.empty_like(out), torch.empty(2, Hg, d, dtype=torch.float64)
         lib.post_sbn_backward(
             g.data_ptr(), out.data_ptr(), log_abs.data_ptr(), gamma_.data_ptr(),
-            beta.data_ptr(), g_out.data_ptr(), sums.data_ptr(), *_dims(out, int(Hg == 1)),
+            beta.data_ptr(), g_out.data_ptr(), sums.data_ptr(), *_strides(g),
+            *_dims(out, int(Hg == 1)),
         )  # fmt: skip
         sums = sums.to(gamma.dtype)[:, :, None]  # (2, Hg, 1, d)
         return (

@@ -204,7 +204,8 @@ def test_bfloat16_queries_and_keys_read_without_a_cast():
 def test_projections_layout_read_and_written_in_place(dtype):
     """q and k come as (B, H, N, d) views of the (B, N, H, d) projections: the native pass
     reads them there and writes their gradients in that layout (the view's backward then
-    copies nothing), with the same bits as from contiguous copies, in training and in
+    copies nothing); post-SBN writes its result in the heads' merged layout and reads the
+    merged gradient there: the same bits as from contiguous copies, in training and in
     evaluation (the running estimates' pass)."""
     q, k, v, mask, grad = _inputs(True)
     attn = _ppsbn("maclaurin", True, native_fused=True).train()
@@ -220,7 +221,12 @@ def test_projections_layout_read_and_written_in_place(dtype):
         for t in views[:2]:
             t.register_hook(lambda g, seen=arriving: seen.append(g.stride()))
         out = model(*views, key_padding_mask=mask)
-        out.backward(grad.to(out.dtype))
+        # Post-SBN's result in the heads' merged layout: the merge is a view, and the
+        # merged gradient reaches post-SBN's backward in that layout.
+        assert out.transpose(1, 2).is_contiguous()
+        B, _, N, _ = out.shape
+        merged = out.transpose(1, 2).reshape(B, N, H * D)
+        merged.backward(grad.to(out.dtype).transpose(1, 2).reshape(B, N, H * D))
         with torch.no_grad():
             evaluated = model.eval()(*views, key_padding_mask=mask)
         found.append([out.detach(), *(t.grad for t in leaves), model.running_var, evaluated])

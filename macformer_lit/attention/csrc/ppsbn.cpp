@@ -257,17 +257,18 @@ int sbn_backward_apply(const float* y, const float* norm, const float* g, const 
 
 // Post-SBN: result = y·exp((β − 1)·log|y|) with y = γ·out, γ and β (Hg, d) per head
 // (Hg = H) or shared (Hg = 1); log|y| (|y| at least the smallest normal float) kept in
-// log_abs for the backward.
+// log_abs for the backward. result has strides (sb, sh, sl) (the heads' merged layout
+// (B, L, H, d), which the output projection reads without a copy).
 int post_sbn_forward(const float* out, const float* gamma, const float* beta, float* result,
-                     float* log_abs, int64_t B, int64_t H, int64_t L, int d, int shared,
-                     int threads) {
-    const Layout s{B, H, L, d};
+                     float* log_abs, int64_t sb, int64_t sh, int64_t sl, int64_t B, int64_t H,
+                     int64_t L, int d, int shared, int threads) {
+    const Layout s{B, H, L, d, sb, sh, sl};
     const float tiny = 1.17549435e-38f;
     parallel_rows(B * H * L, threads, [&](int64_t lo, int64_t hi) {
         for (int64_t r = lo; r < hi; ++r) {
             const int64_t h = shared ? 0 : s.head(r);
             const float *o = out + r * d, *ga = gamma + h * d, *be = beta + h * d;
-            float *res = result + r * d, *la = log_abs + r * d;
+            float *res = result + s.at(r), *la = log_abs + r * d;
             for (int c = 0; c < d; ++c) {
                 const float y = ga[c] * o[c];
                 const float a = std::fabs(y);
@@ -282,16 +283,18 @@ int post_sbn_forward(const float* out, const float* gamma, const float* beta, fl
 
 // Its backward: with p = g·|y|^(β−1), ∂out = p·(β·γ); per (head, channel) sums (2, Hg, d)
 // of p·out and p·out·log|y| over the batch and positions (γ's and log β's gradients but
-// for their factors β and β·γ, applied by the caller).
+// for their factors β and β·γ, applied by the caller). g has strides (sb, sh, sl), as the
+// merged heads' gradient arrives.
 int post_sbn_backward(const float* g, const float* out, const float* log_abs, const float* gamma,
-                      const float* beta, float* g_out, double* sums, int64_t B, int64_t H,
-                      int64_t L, int d, int shared, int threads) {
-    const Layout s{B, H, L, d};
+                      const float* beta, float* g_out, double* sums, int64_t sb, int64_t sh,
+                      int64_t sl, int64_t B, int64_t H, int64_t L, int d, int shared,
+                      int threads) {
+    const Layout s{B, H, L, d, sb, sh, sl};
     const int width = 2 * d;
     std::vector<double> part(B * H * width), total(H * width);
     group_sums(s, width, part.data(), threads, [&](int64_t r, double* acc) {
         const int64_t h = shared ? 0 : s.head(r);
-        const float *gr = g + r * d, *o = out + r * d, *la = log_abs + r * d;
+        const float *gr = g + s.at(r), *o = out + r * d, *la = log_abs + r * d;
         const float *ga = gamma + h * d, *be = beta + h * d;
         float* go = g_out + r * d;
         for (int c = 0; c < d; ++c) {
