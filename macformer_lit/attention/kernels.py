@@ -31,7 +31,7 @@ class Kernel:
 
     def truncated(self, x: torch.Tensor, order: int) -> torch.Tensor:
         """Σ_{N ≤ order} a_N x^N, e.g. order 1 gives the first-order baseline a₀ + a₁x."""
-        return sum(self.coefficient(n) * x**n for n in range(order + 1))
+        return self.series(order).exact(x)
 
     def series(self, order: int) -> Kernel:
         """The kernel Σ_{N ≤ order} a_N x^N itself (a dot-product kernel: the same
