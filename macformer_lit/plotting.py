@@ -24,9 +24,21 @@ def pyplot():
 
 
 def colours_for(labels: list[str]) -> dict[str, str]:
-    """A fixed colour per label, in order, so every panel of a figure agrees."""
-    cycle = pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
-    return {label: cycle[i % len(cycle)] for i, label in enumerate(labels)}
+    """A fixed colour per label, in order, so every panel of a figure agrees, and no two labels
+    share one: matplotlib's ten default colours first (a figure of up to ten labels keeps
+    them), then the light variant of each (tab20), then tab20b's and tab20c's, then evenly
+    spaced hues for any beyond those 50."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    palette = [to_hex(c) for c in pyplot().rcParams["axes.prop_cycle"].by_key()["color"]]
+    extra = list(colormaps["tab20"].colors[1::2])
+    extra += list(colormaps["tab20b"].colors) + list(colormaps["tab20c"].colors)
+    palette += [c for c in map(to_hex, extra) if c not in palette]
+    more = len(labels) - len(palette)
+    if more > 0:
+        palette += [to_hex(colormaps["hsv"](i / more)) for i in range(more)]
+    return {label: palette[i] for i, label in enumerate(labels)}
 
 
 def legend_below(fig, axes, *, ncol: int = 2) -> None:

@@ -250,6 +250,18 @@ def test_bands_draw_the_mean_and_the_min_max_over_runs():
     plt.close(fig)
 
 
+@pytest.mark.parametrize("n", [3, 10, 14, 50, 73])
+def test_no_two_labels_share_a_colour(n):
+    """The mechanism screen has 14 methods: matplotlib's cycle of ten gave the 11th the 1st's
+    colour. Up to ten labels keep the default colours."""
+    from matplotlib.colors import to_hex
+
+    colours = colours_for([f"m{i}" for i in range(n)])
+    assert len(set(colours.values())) == n
+    default = [to_hex(c) for c in pyplot().rcParams["axes.prop_cycle"].by_key()["color"]]
+    assert [colours[f"m{i}"] for i in range(min(n, 10))] == default[: min(n, 10)]
+
+
 def test_the_legend_sits_under_the_panels_with_each_label_once():
     """Legends inside the panels covered the curves once rows had long settings: one legend
     for the figure goes under every panel, and the figure grows by its height."""
