@@ -44,6 +44,9 @@ class AttentionBackend(nn.Module):
     - ``own_kernel``: where the backend computes another kernel exactly than the one it
       stands for (deterministic features of a truncated series), that kernel; telemetry
       measures the error against it too. None: the same as ``target_kernel``.
+    - ``kernel_inputs(q, k)``: the q and k whose scaled dot products the kernel takes, where
+      the backend maps them first (the Maclaurin backend's ``input_map``); telemetry
+      measures against the exact attention of these. The inputs themselves by default.
     - ``collect_stats`` / ``last_stats``: while ``collect_stats`` is on, a forward call may
       record statistics of itself in ``last_stats``; callers use ``forward_with_stats``.
     - ``diagnose``: forensics of one forward after a non-finite value (NaNGuard); ``{}``
@@ -99,6 +102,10 @@ class AttentionBackend(nn.Module):
             v = torch.cat([state["v"], v], dim=2)
         out = self._attend(q, k, v, key_padding_mask=None, causal=False)
         return out, {"k": k, "v": v}
+
+    def kernel_inputs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) as the kernel sees them: unchanged unless the backend maps them first."""
+        return q, k
 
     def _attend(
         self,

@@ -48,6 +48,7 @@ from .triton_fused import triton_available, triton_causal_products, triton_fused
 PIECE_FEATURE_BYTES = 16 << 20
 
 FeatureDtype = Literal["float32", "bfloat16"]
+InputMap = Literal["identity", "relu"]
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -129,6 +130,7 @@ class MaclaurinAttention(FeatureAttention):
         native_fused: bool = False,
         triton_fused: bool = False,
         auto_kernels: bool = False,
+        input_map: InputMap = "identity",
         **common: Any,
     ) -> None:
         """``feature_dtype``: the dtype of the feature rows and of the two products (the
@@ -144,7 +146,11 @@ class MaclaurinAttention(FeatureAttention):
         (triton_fused.py; head_dim up to 64; a machine with a GPU needs the ``triton``
         package; CPU tensors are left to ``native_fused``). ``auto_kernels``: the four
         kernel options and ``feature_dtype`` chosen by this machine (``choose_kernels``),
-        the choice in ``kernel_choice`` and in the run's provenance."""
+        the choice in ``kernel_choice`` and in the run's provenance. ``input_map: relu``:
+        q and k pass through max(·, 0) before the map (after pre-SBN where it wraps this
+        backend), so s = q⁺·k⁺/√d ≥ 0, where the kernel a₀ + a₁s + a₂s² only grows with s:
+        with signed inputs the parabola weights an anti-aligned key (s ≪ −1) about as much
+        as an aligned one (docs/maths.md §14, non-negative inputs)."""
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
         if auto_kernels:
             asked = [
@@ -177,6 +183,10 @@ class MaclaurinAttention(FeatureAttention):
                 feature_dtype=feature_dtype,
             )
         self.auto_kernels = auto_kernels
+        if input_map not in get_args(InputMap):
+            valid = ", ".join(get_args(InputMap))
+            raise ValueError(f"input_map must be one of {valid}; got {input_map!r}")
+        self.input_map = input_map
         if degree not in (1, 2):
             raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
         if feature_dtype not in FEATURE_DTYPES:
@@ -255,8 +265,25 @@ class MaclaurinAttention(FeatureAttention):
             f"kernel={self.kernel.name}, degree={self.degree}, features={self.num_features}, "
             f"feature_dtype={self.feature_dtype}, compile_map={self.compile_map}, "
             f"native_map={self.native_map}, native_fused={self.native_fused}, "
-            f"triton_fused={self.triton_fused}, auto_kernels={self.auto_kernels}"
+            f"triton_fused={self.triton_fused}, auto_kernels={self.auto_kernels}, "
+            f"input_map={self.input_map}"
         )
+
+    def kernel_inputs(self, q, k):
+        """(q, k) through ``input_map``: max(·, 0) of each for ``relu``."""
+        if self.input_map == "relu":
+            return torch.relu(q), torch.relu(k)
+        return q, k
+
+    def reference_features(self, q, k, key_padding_mask):
+        return super().reference_features(*self.kernel_inputs(q, k), key_padding_mask)
+
+    def step(self, q, k, v, state=None):
+        return super().step(*self.kernel_inputs(q, k), v, state)
+
+    def diagnose(self, q, k, v, *, key_padding_mask=None, causal=False) -> dict[str, float]:
+        q, k = self.kernel_inputs(q, k)
+        return super().diagnose(q, k, v, key_padding_mask=key_padding_mask, causal=causal)
 
     def _rows_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The rows' dtype for a map computed in ``dtype``: ``feature_dtype`` in place of
@@ -337,6 +364,7 @@ class MaclaurinAttention(FeatureAttention):
         entries are independent, so the result is the same; statistics are collected in
         one piece. ``split``, not slicing: its backward is one concatenation, where each
         slice's backward writes a zero tensor of the whole batch (docs/pitfalls.md §2)."""
+        q, k = self.kernel_inputs(q, k)
         rows = self._rows_dtype(torch.promote_types(q.dtype, torch.float32))
         entry = q[:1].numel() // q.shape[-1] * self.num_features * rows.itemsize
         slices = batch_slices(q, max(1, entry * PIECE_BYTES // PIECE_FEATURE_BYTES))

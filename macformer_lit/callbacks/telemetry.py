@@ -18,6 +18,9 @@ sequences; after the step the callback reruns the core on them and logs, per lay
   the heads), where the layer has one; the NMSE above is then at that τ (q is captured
   after it), against the exact kernel the core stands for.
 
+Where a core maps q and k before its kernel (``kernel_inputs``: the Maclaurin backend's
+``input_map``), the exact attentions and the logits take them mapped, as its kernel does.
+
 Only rank 0 measures; it logs to every attached logger (``logger.log_metrics``, e.g. CSV and
 W&B) at the step measured.
 """
@@ -135,6 +138,8 @@ class AttentionTelemetry(Callback):
         finally:
             core.train(training)
         kernel = core.target_kernel
+        # The exact attentions take q and k as the backend's kernel does (its input map).
+        q, k = core.kernel_inputs(q, k)
         exact = kernelized_attention(q, k, v, kernel, mask, causal)
         logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
         keep = keep_mask(q, k, mask, causal).expand_as(logits)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_support import CXX
 
 from macformer_lit.attention import build_attention, pieces
 from macformer_lit.attention.kernels import get_kernel
@@ -65,3 +66,79 @@ def test_batch_pieces_change_nothing():
 def test_bad_degree():
     with pytest.raises(ValueError, match="degree must be 1 or 2"):
         build_attention("maclaurin", head_dim=8, num_heads=2, degree=3)
+
+
+def _relu_case(seed=0, dtype=torch.float64, B=2, N=13, d=8):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, 2, N, d, generator=g, dtype=dtype) for _ in "qkv")
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, N - 4 :] = False
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_relu_inputs_weight_keys_by_the_positive_parts(causal):
+    """``input_map: relu``: the weights are 1 + s + s²/2 of s = q⁺·k⁺/√d (never below the
+    weight of an orthogonal key, so an anti-aligned key no longer gets an aligned one's
+    weight), forward and reference alike; q's and k's negative entries get no gradient."""
+    q, k, v, mask = _relu_case()
+    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="relu").double()
+    s = q.relu() @ k.relu().transpose(-1, -2) / 8**0.5
+    assert (q @ k.transpose(-1, -2)).min() < -1.0  # signed inputs would reach the far side
+    keep = keep_mask(q, k, mask, causal)
+    expected = weighted_average(1 + s + s**2 / 2, v, keep)
+    q_, k_ = q.clone().requires_grad_(), k.clone().requires_grad_()
+    out = attn(q_, k_, v, key_padding_mask=mask, causal=causal)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(out * real, expected * real)
+    reference = attn.reference(q, k, v, key_padding_mask=mask, causal=causal)
+    torch.testing.assert_close(reference * real, expected * real)
+    (out * real).sum().backward()
+    assert q_.grad[q < 0].abs().max() == 0 and k_.grad[k < 0].abs().max() == 0
+    assert q_.grad[q > 0].abs().max() > 0
+    signed = build_attention("maclaurin", head_dim=8, num_heads=2).double()
+    assert (signed(q, k, v, key_padding_mask=mask, causal=causal) - out).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"native_map": True}, {"native_fused": True},
+     {"native_fused": True, "feature_dtype": "bfloat16"}],
+    ids=["eager", "native_map", "native_fused", "native_fused_bf16"],
+)  # fmt: skip
+def test_relu_inputs_are_mapped_once_on_every_path(options, causal):
+    """Every kernel path takes q⁺ and k⁺: the relu backend's output and gradients are the
+    same path's signed backend's on relu(q), relu(k) (the same bits), so no path skips the
+    map (mapping twice would change nothing: max(·, 0) is idempotent)."""
+    if options and CXX is None:
+        pytest.skip("no C++ compiler")
+    q, k, v, mask = _relu_case(seed=1, dtype=torch.float32, N=37, d=32)
+    relu = build_attention("maclaurin", head_dim=32, num_heads=2, input_map="relu", **options)
+    signed = build_attention("maclaurin", head_dim=32, num_heads=2, **options)
+    real = mask[:, None, :, None]
+    results = []
+    for attn, mapped in ((relu, False), (signed, True)):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        qi, ki = (q_.relu(), k_.relu()) if mapped else (q_, k_)
+        out = attn(qi, ki, v_, key_padding_mask=mask, causal=causal)
+        (out * real).sum().backward()
+        results.append((out * real, q_.grad, k_.grad, v_.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_relu_inputs_in_decoding_steps():
+    """``step`` maps q and k too: each step's output is the causal pass's row."""
+    q, k, v, _ = _relu_case(seed=2, N=6)
+    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="relu").double()
+    full = attn(q, k, v, causal=True)
+    state = None
+    for t in range(6):
+        out, state = attn.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+        torch.testing.assert_close(out, full[:, :, t : t + 1])
+
+
+def test_unknown_input_map_is_refused():
+    with pytest.raises(ValueError, match="input_map must be one of identity, relu; got 'abs'"):
+        build_attention("maclaurin", head_dim=8, num_heads=2, input_map="abs")

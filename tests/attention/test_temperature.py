@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from macformer_lit.attention import build_attention
+from macformer_lit.attention.reference import kernelized_attention, nmse
 from macformer_lit.callbacks.telemetry import AttentionTelemetry
 from macformer_lit.tasks.optim import adamw_warmup_linear
 
@@ -158,3 +159,19 @@ def test_telemetry_measures_the_degree2_map_against_its_own_kernel():
     assert metrics["nmse_uniform_own"] > 1e-2
     rmfa = build_attention("rmfa", head_dim=D, num_heads=2, num_features=64)
     assert "nmse_own" not in telemetry.measure(rmfa, q / 8, k / 8, v, None, False)
+
+
+def test_telemetry_takes_the_inputs_as_the_kernel_does():
+    """With ``input_map: relu`` the backend's kernel sees q⁺ and k⁺: the telemetry's exact
+    attentions and logits take them so (NMSE against its own kernel float32 rounding, logits
+    ≥ 0), where against the signed inputs' kernel the same output is far off."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (3.0 * torch.randn(2, 2, 40, D, generator=g) for _ in "qkv")
+    telemetry = AttentionTelemetry()
+    core = build_attention("maclaurin", head_dim=D, num_heads=2, input_map="relu")
+    metrics = telemetry.measure(core, q, k, v, None, False)
+    assert metrics["nmse_own"] < 1e-10
+    assert metrics["logit_min"] >= 0.0
+    out = core(q, k, v).double()
+    signed = kernelized_attention(q, k, v, core.own_kernel, None, False)
+    assert nmse(out, signed) > 1e-2
