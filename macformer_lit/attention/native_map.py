@@ -17,7 +17,8 @@ stored feature-major, as the product φ(k)ᵀ[v, 1] returns φ(k)'s, is read in 
 second backward that puts consecutive rows side by side in the vector lanes.
 
 The C++ sources (csrc/: the map in maclaurin2.h and maclaurin2_map.cpp, the fused products
-of native_fused.py in maclaurin2_fused.cpp) have no torch headers: they build with the
+of native_fused.py in maclaurin2_fused.cpp with its bfloat16 and AMX parts, ppSBN's passes
+of native_sbn.py in ppsbn.cpp) have no torch headers: they build with the
 system's C++ compiler in a few seconds into one library in a cache folder
 (``$MACFORMER_LIT_CACHE``, else ``$XDG_CACHE_HOME/macformer_lit``, else
 ``~/.cache/macformer_lit``), once per source, compiler and CPU, loaded with ctypes.
@@ -39,9 +40,16 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # The sources of the library: the map (maclaurin2.h, maclaurin2_map.cpp), the fused
-# attention's products (maclaurin2_fused.cpp, native_fused.py) and ppSBN's passes
-# (ppsbn.cpp, native_sbn.py).
-SOURCES = ("maclaurin2.h", "maclaurin2_map.cpp", "maclaurin2_fused.cpp", "ppsbn.cpp")
+# attention's products (maclaurin2_fused.cpp and the two parts it includes, native_fused.py)
+# and ppSBN's passes (ppsbn.cpp, native_sbn.py).
+SOURCES = (
+    "maclaurin2.h",
+    "maclaurin2_map.cpp",
+    "maclaurin2_fused.cpp",
+    "maclaurin2_fused_bf16.h",
+    "maclaurin2_fused_amx.h",
+    "ppsbn.cpp",
+)
 
 # -ffp-contract=fast: the fused products' a·b + c as one FMA (the map's forward multiplies
 # only, so its rows are the same bits either way).
