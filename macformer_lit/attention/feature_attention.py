@@ -272,14 +272,16 @@ class FeatureAttention(AttentionBackend):
                 ones = q.new_ones(B, H, M, 1)
             else:
                 keep = mask[:, None, :, None]
-                v = v.masked_fill(~keep, 0.0)
                 if self._keys_masked(q):
                     k = k.masked_fill(~keep, 0.0)
                 ones = keep.to(ct).expand(B, H, M, 1)
             # [v, 1]: numerator and denominator from the same products; zero at padded keys.
             # v (bfloat16 under autocast) reaches ct in the concatenation itself (exactly:
-            # every bfloat16 is a float32), one pass fewer than a cast first.
+            # every bfloat16 is a float32), one pass fewer than a cast first; padded keys'
+            # rows are zeroed in place there, not in a masked copy of v first.
             v1 = torch.cat([v, ones], dim=-1).to(ct)  # (B, H, M, d+1); .to: v wider than ct
+            if mask is not None:
+                v1 = v1.masked_fill_(~keep, 0.0)
             if causal:
                 out, den_scale = self._causal(q, k, v1, mask)
                 if mask is None:

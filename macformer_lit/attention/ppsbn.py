@@ -490,7 +490,9 @@ class PPSBNAttention(AttentionBackend):
         dtype = q.dtype
         ct = torch.promote_types(dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            v = v.to(ct)
+            if not isinstance(self.inner, FeatureAttention):
+                # A feature backend casts v where it builds [v, 1] (one pass fewer).
+                v = v.to(ct)
             if self.pre_sbn:  # casts q and k itself (the native pass reads bfloat16)
                 if query_padding_mask is None and causal:
                     query_padding_mask = key_padding_mask

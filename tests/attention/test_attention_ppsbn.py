@@ -262,3 +262,48 @@ def test_ppsbn_in_batch_pieces_gives_the_same_bits(monkeypatch, name, causal):
         )
     for whole, piecewise in zip(*runs):
         assert torch.equal(whole, piecewise)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("maclaurin", {}),
+        ("maclaurin", {"native_fused": True, "native_sbn": True, "feature_dtype": "bfloat16"}),
+        ("rmfa", {}),
+        ("favor", {}),
+    ],
+    ids=["maclaurin", "maclaurin_fused_bf16", "rmfa", "favor"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_bfloat16_values_reach_a_feature_backend_uncast(name, options, causal):
+    """Under bf16 autocast v arrives in bfloat16; around a feature backend ppSBN passes it on
+    as it is, and the backend casts it where it builds [v, 1] (padded keys' rows zeroed in
+    place there). The same bits as casting v to float32 first: the output, and ∂v rounded
+    to bfloat16 as autograd's cast rounds it; padded keys' values, whatever they hold, do not
+    reach the output."""
+    from macformer_lit.attention.native_map import cxx_compiler
+
+    if options and cxx_compiler() is None:
+        pytest.skip("needs a C++ compiler")
+    B, N, dh = 3, 12, 16  # head size 16: the fused kernel's smallest
+    g = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(B, H, N, dh, generator=g) for _ in range(4))
+    v = v.bfloat16()
+    v[1, :, 9:] = float("nan")  # padded keys: never read
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 9:] = False
+    torch.manual_seed(0)
+    attn = build_attention(
+        name, head_dim=dh, num_heads=H, pre_sbn=True, post_sbn=True, **options
+    ).train()
+    found = []
+    for cast in (False, True):
+        model = copy.deepcopy(attn)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        vv = leaves[2].float() if cast else leaves[2]
+        out = model(leaves[0], leaves[1], vv, key_padding_mask=mask, causal=causal)
+        out.backward(grad)
+        found.append([out.detach(), *(t.grad for t in leaves)])
+    assert found[0][0].isfinite().all()
+    for what, a, b in zip(["out", "∂q", "∂k", "∂v"], *found):
+        assert a.dtype == b.dtype and torch.equal(a, b), what
