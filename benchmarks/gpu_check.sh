@@ -41,9 +41,9 @@ fi
 
 step_machine
 step tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_device_branches.py tests/attention/test_maclaurin_fast.py \
-    tests/attention/test_triton_fused.py
+    tests/attention/test_triton_fused.py tests/attention/test_triton_sbn.py
 step train_step 200 $PY -m benchmarks.train_step --device "$DEVICE" \
-    --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,macformer_learns,macformer_fast,macformer_fused,macformer_fused_bf16,favor,linear,torch \
+    --backends softmax,macformer,macformer_recompute,rmfa_nosbn,softmax_ppsbn,macformer_learns,macformer_fast,macformer_fused,macformer_fused_bf16,macformer_fused_bf16_triton_sbn,favor,linear,torch \
     --paths eager,bf16,fp16 "${TS[@]}" --out "$WORK/bench" --name "train_step_$DEVICE"
 step attention_speed 75 $PY -m benchmarks.attention_speed --device "$DEVICE" "${AS[@]}" \
     --out "$WORK/bench" --name "attention_speed_$DEVICE"

@@ -24,8 +24,9 @@ Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``sof
 ``macformer_fused`` (maclaurin_ppsbn_fused.yaml: map and products fused, float32: the native
 kernel on CPUs, Triton's on GPUs), ``macformer_fused_bf16`` (the same with ``feature_dtype:
 bfloat16``: bfloat16 dot products), ``macformer_fused_bf16_eager_sbn`` (the same with
-ppSBN's eager passes: ``native_sbn: false``), ``macformer_auto`` (maclaurin_ppsbn_auto.yaml: the
-kernels this machine chooses),
+ppSBN's eager passes: ``native_sbn: false``), ``macformer_fused_bf16_triton_sbn`` (the same
+with ``triton_sbn: true``: ppSBN's passes as Triton kernels on a GPU), ``macformer_auto``
+(maclaurin_ppsbn_auto.yaml: the kernels this machine chooses),
 ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
 in the default set), and
@@ -252,6 +253,12 @@ def all_backends(config_dir: Path) -> list[Backend]:
                  "feature_dtype": "bfloat16", "native_sbn": False},
                 "attention/maclaurin_ppsbn_fused.yaml + feature_dtype: bfloat16, "
                 "native_sbn: false"),
+        Backend("macformer_fused_bf16_triton_sbn",
+                "the same with ppSBN's passes as Triton kernels on a GPU (triton_sbn: true)",
+                {**attention_yaml(config_dir, "maclaurin_ppsbn_fused"),
+                 "feature_dtype": "bfloat16", "triton_sbn": True},
+                "attention/maclaurin_ppsbn_fused.yaml + feature_dtype: bfloat16, "
+                "triton_sbn: true"),
         Backend("macformer_auto", "degree-2 Maclaurin + ppSBN, kernels chosen by the machine",
                 attention_yaml(config_dir, "maclaurin_ppsbn_auto"),
                 "attention/maclaurin_ppsbn_auto.yaml"),

@@ -18,6 +18,9 @@ PostSBN reads ``out`` before assigning it; not here. All of it runs in fp32.
 ``native_sbn: true`` runs pre-SBN's batch-statistics passes and post-SBN's power on float32
 CPU tensors as native loops (native_sbn.py: the same maths in a few passes instead of
 dozens); a Maclaurin backend with ``auto_kernels: true`` turns it on where a C++ compiler is.
+``triton_sbn: true`` runs the same passes on CUDA tensors as Triton kernels (triton_sbn.py),
+turned on by ``auto_kernels`` where it turns on the Triton fused products; with both set,
+each takes its own device's tensors.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ from .native_map import cxx_compiler, library
 from .native_sbn import NativePostSBN, NativeStandardiseNormalise, normalise, runs_natively
 from .pieces import batch_slices
 from .reference import post_sbn_reference, pre_sbn_reference, reference_forward
+from .triton_fused import triton_available
+from .triton_sbn import TritonPostSBN, TritonStandardiseNormalise
+from .triton_sbn import normalise as triton_normalise
+from .triton_sbn import runs_on as triton_runs_on
 
 
 def _all_reduce(t: torch.Tensor, differentiable: bool) -> torch.Tensor:
@@ -49,6 +56,11 @@ def _all_reduce(t: torch.Tensor, differentiable: bool) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t)
     return t
+
+
+def _reduced(t: torch.Tensor) -> torch.Tensor:
+    """t summed over DDP ranks, without a graph: the native and Triton passes' ``reduce``."""
+    return _all_reduce(t, False)
 
 
 def _row_weights(x: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype | None = None):
@@ -238,6 +250,7 @@ class PPSBNAttention(AttentionBackend):
         post_sbn_power: bool = True,
         post_sbn_gamma: Literal["head", "shared"] = "head",
         native_sbn: bool = False,
+        triton_sbn: bool = False,
         causal_queries: bool = False,
     ) -> None:
         """
@@ -253,6 +266,10 @@ class PPSBNAttention(AttentionBackend):
             native_sbn: pre-SBN's batch statistics and post-SBN's power as native loops on
                 float32 CPU tensors (native_sbn.py; needs a C++ compiler); on by itself
                 under a Maclaurin backend's ``auto_kernels: true`` where a compiler is.
+            triton_sbn: the same passes as Triton kernels on float32 CUDA tensors
+                (triton_sbn.py; a machine with a GPU needs the ``triton`` package); on by
+                itself where ``auto_kernels: true`` turns on ``triton_fused``. With
+                ``native_sbn`` too, each takes its own device's tensors.
         """
         super().__init__()
         if sbn_stats not in ("batch", "row"):
@@ -298,16 +315,33 @@ class PPSBNAttention(AttentionBackend):
                 "native_sbn: true needs a C++ compiler on PATH (g++, clang++ or $CXX): "
                 "install one, or set native_sbn: false"
             )
-        if getattr(inner, "auto_kernels", False) and getattr(inner, "_compiler", None):
-            native_sbn = pre_sbn or post_sbn  # the machine's choice found a compiler
+        if triton_sbn and not (pre_sbn or post_sbn):
+            raise ValueError(
+                "triton_sbn acts on pre-SBN and post-SBN: set pre_sbn or post_sbn: true"
+            )
+        # As triton_fused: a machine without a GPU has no tensors for the kernels to take,
+        # so there the option is inert, and a config can carry it for both machines.
+        if triton_sbn and torch.cuda.is_available() and not triton_available():
+            raise ValueError(
+                "triton_sbn: true needs the triton package for this machine's GPU: install "
+                "triton (CUDA builds of torch bring it), or set triton_sbn: false"
+            )
+        if getattr(inner, "auto_kernels", False):
+            if getattr(inner, "_compiler", None):
+                native_sbn = pre_sbn or post_sbn  # the machine's choice found a compiler
+            if getattr(inner, "triton_fused", False):
+                triton_sbn = pre_sbn or post_sbn  # and a GPU with triton
         # The compiler found once; the library built now, so a build that fails says so
         # before training.
         self._compiler = cxx_compiler() if native_sbn else None
         if native_sbn:
             library(self._compiler, "native_sbn")
-            if hasattr(inner, "kernel_choice"):  # the run record's line (provenance.py)
-                inner.kernel_choice += "; ppSBN: native_sbn"
-        self.native_sbn = native_sbn
+        kernels = [
+            name for name, on in (("native_sbn", native_sbn), ("triton_sbn", triton_sbn)) if on
+        ]
+        if kernels and hasattr(inner, "kernel_choice"):  # the run record's line (provenance.py)
+            inner.kernel_choice += "; ppSBN: " + "+".join(kernels)
+        self.native_sbn, self.triton_sbn = native_sbn, triton_sbn
         self.inner, self.pre_sbn, self.post_sbn = inner, pre_sbn, post_sbn
         self.sbn_eps, self.sbn_momentum = sbn_eps, sbn_momentum
         self.sbn_stats, self.sbn_train_stats = sbn_stats, sbn_train_stats
@@ -352,11 +386,14 @@ class PPSBNAttention(AttentionBackend):
         return (
             f"pre_sbn={self.pre_sbn}, post_sbn={self.post_sbn}, sbn_stats={self.sbn_stats}, "
             f"sbn_eps={self.sbn_eps}, temperature_max={self.temperature_max}, "
-            f"native_sbn={self.native_sbn}"
+            f"native_sbn={self.native_sbn}, triton_sbn={self.triton_sbn}"
         )
 
     def _native(self, x: torch.Tensor) -> bool:
         return self.native_sbn and runs_natively(x)
+
+    def _triton(self, x: torch.Tensor, bf16: bool = False) -> bool:
+        return self.triton_sbn and triton_runs_on(x, bf16)
 
     def temperature(self) -> torch.Tensor:
         """τ per head, (H, 1, 1): log τ = log τ_max · tanh(θ / log τ_max), θ = 0 at init."""
@@ -396,12 +433,13 @@ class PPSBNAttention(AttentionBackend):
 
     def _pre_sbn_one(self, x, mask, which: int, running: bool, update: bool, tau=None):
         """x standardised and L2-normalised per row, times ``tau`` (H, 1, 1) where given, in
-        float32 or wider. The native batch-statistics pass reads a bfloat16 x as it is; every
-        other path computes on x cast to float32."""
+        float32 or wider. The native and Triton batch-statistics passes read a bfloat16 x as
+        it is; every other path computes on x cast to float32."""
         ct = torch.promote_types(x.dtype, torch.float32)
         batch = self.sbn_stats == "batch" and not running
         native = batch and self.native_sbn and runs_natively(x, bf16=True)
-        if not native:
+        triton = batch and not native and self._triton(x, bf16=True)
+        if not (native or triton):
             x = x.to(ct)
         if batch:
             # Training on batch statistics: the fused forward/backward (same numbers).
@@ -409,11 +447,14 @@ class PPSBNAttention(AttentionBackend):
             # eps as a tensor: a Python float argument becomes symbolic under torch.compile's
             # dynamic shapes, which autograd.Function tracing does not support.
             eps = torch.full((), self.sbn_eps, dtype=ct, device=x.device)
-            if native:  # the temperature folded into the normalisation's pass
+            if native or triton:  # the temperature folded into the normalisation's pass
                 w = None if mask is None else mask.to(ct).contiguous()
-                y, mean, var = NativeStandardiseNormalise.apply(
-                    x, w, n, eps, tau, self._compiler, lambda t: _all_reduce(t, False)
-                )
+                if native:
+                    y, mean, var = NativeStandardiseNormalise.apply(
+                        x, w, n, eps, tau, self._compiler, _reduced
+                    )
+                else:
+                    y, mean, var = TritonStandardiseNormalise.apply(x, w, n, eps, tau, _reduced)
                 tau = None
             else:
                 y, mean, var = _BatchStandardiseNormalise.apply(x, w, n, eps)
@@ -430,8 +471,11 @@ class PPSBNAttention(AttentionBackend):
             x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.sbn_eps)
             return F.normalize(x, dim=-1)
         shift, scale = self._running_affine(x, mask, which, update)
-        if self._native(x) and not (torch.is_grad_enabled() and x.requires_grad):
-            return normalise(x, shift, scale, self._compiler)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            if self._native(x):
+                return normalise(x, shift, scale, self._compiler)
+            if self._triton(x):
+                return triton_normalise(x, shift, scale)
         slices = batch_slices(x)
         if len(slices) == 1 or (torch.is_grad_enabled() and x.requires_grad):
             return F.normalize(torch.addcmul(shift, x, scale), dim=-1)
@@ -471,6 +515,8 @@ class PPSBNAttention(AttentionBackend):
             return self.gamma * out
         if out.dim() == 4 and self._native(out):
             return NativePostSBN.apply(out, self.gamma, self.log_beta, self._compiler)
+        if out.dim() == 4 and self._triton(out):
+            return TritonPostSBN.apply(out, self.gamma, self.log_beta)
         return _PostSBN.apply(out, self.gamma, self.log_beta)
 
     def _finish(self, out, ct):

@@ -47,7 +47,7 @@ MODEL_SUPPLIED = ("self", "inner", "head_dim", "num_heads", "causal_queries", "l
 # The wrapper's switches; its other options act inside pre-SBN (or post-SBN, below).
 SBN_SWITCHES = ("pre_sbn", "post_sbn")
 POST_OPTIONS = ("post_sbn_power", "post_sbn_gamma")
-EITHER_OPTIONS = ("native_sbn",)  # acts on both halves: either switch will do
+EITHER_OPTIONS = ("native_sbn", "triton_sbn")  # acts on both halves: either switch will do
 # Where the model builds an attention: the role decides which options make sense.
 ROLES = ("encoder", "decoder", "cross")
 
