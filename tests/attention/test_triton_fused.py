@@ -19,6 +19,24 @@ from macformer_lit.attention import maclaurin as maclaurin_module
 from macformer_lit.attention.triton_fused import triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_interpreted(script: str) -> None:
+    """The tests of ``script`` (beside this file) in a fresh process: under Triton's
+    interpreter where no GPU is, on the GPU where one is; they must all pass."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    here = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         str(here / script)],
+        cwd=here.parents[1], env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
+
+
 needs_triton = pytest.mark.skipif(not triton_available(), reason="no triton package")
 
 
@@ -31,17 +49,7 @@ def test_the_kernels_numbers_in_their_own_process():
     """triton_interpreted.py in a fresh process: under Triton's interpreter where no GPU is
     (it must be on before triton.language is imported, which this process may have done
     already, e.g. through torch.compile), on the GPU where one is."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if DEVICE == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    here = Path(__file__).parent
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         str(here / "triton_interpreted.py")],
-        cwd=here.parents[1], env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
+    run_interpreted("triton_interpreted.py")
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,11 @@ the triton package (or its CUDA assembler) is missing."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from native_support import needs_cxx
-from test_triton_fused import _has_ptxas
+from test_triton_fused import _has_ptxas, run_interpreted
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import maclaurin as maclaurin_module
@@ -31,17 +28,7 @@ def test_the_kernels_numbers_in_their_own_process():
     """triton_sbn_interpreted.py in a fresh process: under Triton's interpreter where no GPU
     is (it must be on before triton.language is imported, which this process may have done
     already), on the GPU where one is."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if DEVICE == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    here = Path(__file__).parent
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         str(here / "triton_sbn_interpreted.py")],
-        cwd=here.parents[1], env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
+    run_interpreted("triton_sbn_interpreted.py")
 
 
 def test_refused_without_either_half():
