@@ -48,7 +48,7 @@ from .triton_fused import triton_available, triton_causal_products, triton_fused
 PIECE_FEATURE_BYTES = 16 << 20
 
 FeatureDtype = Literal["float32", "bfloat16"]
-InputMap = Literal["identity", "relu"]
+InputMap = Literal["identity", "relu", "sign_split"]
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -61,6 +61,12 @@ def maclaurin_rows(x, scale, degree: int, out_dtype: torch.dtype):
         # slice (an index gather's backward scatters: slower, benchmarks/README.md).
         parts.extend(x[..., i : i + 1] * x[..., i:] for i in range(x.shape[-1]))
     return (torch.cat(parts, -1) * scale).to(out_dtype)
+
+
+def sign_split(x):
+    """[x⁺, x⁻]·2^{1/4} (..., 2d) of x (..., d), x⁻ = max(−x, 0): the map's (2d)^{-1/4} then
+    scales it as x's d^{-1/4} does."""
+    return torch.cat([torch.relu(x), torch.relu(-x)], -1) * 2**0.25
 
 
 @functools.cache
@@ -76,7 +82,7 @@ def describe_kernels(**options: Any) -> str:
     return f"{'+'.join(on) or 'eager'}, {options['feature_dtype']}"
 
 
-def choose_kernels(head_dim: int, degree: int) -> dict[str, Any]:
+def choose_kernels(head_dim: int, degree: int, fused_ok: bool = True) -> dict[str, Any]:
     """The fastest kernels this machine has for the degree-2 map, as measured
     (benchmarks/README.md, "Choosing the kernels"): on a machine with a CUDA GPU and triton,
     the Triton fused kernels; on the CPU, with a C++ compiler, the native map and the native
@@ -84,15 +90,22 @@ def choose_kernels(head_dim: int, degree: int) -> dict[str, Any]:
     bfloat16 pairs (AVX512-BF16: the fused ListOps step 0.369x eager softmax's against 0.398x
     in float32, 0.661x against 0.781x at N = 1,000, the 2-core AMD EPYC; on AMX tiles where
     the CPU has them, Intel Xeon: see the benchmarks' README) or a GPU takes them, float32
-    elsewhere. Degree 1 has no kernels: eager. Returns the options and ``why``."""
+    elsewhere. Degree 1 has no kernels: eager. ``fused_ok: False`` (inputs wider than the values,
+    ``input_map: sign_split``) leaves the fused kernels out. Returns the options and ``why``."""
     if degree != 2:
         off = dict(native_map=False, native_fused=False, triton_fused=False)
         return dict(**off, feature_dtype="float32", why="eager (degree 1 has no kernels), float32")
-    gpu = torch.cuda.is_available() and triton_available() and head_dim <= TRITON_MAX_HEAD_DIM
+    gpu = (
+        fused_ok
+        and torch.cuda.is_available()
+        and triton_available()
+        and head_dim <= TRITON_MAX_HEAD_DIM
+    )
     compiler = cxx_compiler()
     native_map = compiler is not None and head_dim <= MAX_HEAD_DIM
-    native_fused = compiler is not None and head_dim in FUSED_HEAD_DIMS
-    fused = library(compiler, "native_fused") if native_fused else None
+    native_fused = fused_ok and compiler is not None and head_dim in FUSED_HEAD_DIMS
+    # The fused library answers what the CPU multiplies, whether or not its kernels run.
+    fused = library(compiler, "native_fused") if compiler is not None else None
     cpu_bf16 = bool(fused and fused.maclaurin2_bf16_dot())
     amx = bool(cpu_bf16 and fused.maclaurin2_amx(-1))
     bf16 = cpu_bf16 or gpu
@@ -150,8 +163,26 @@ class MaclaurinAttention(FeatureAttention):
         q and k pass through max(·, 0) before the map (after pre-SBN where it wraps this
         backend), so s = q⁺·k⁺/√d ≥ 0, where the kernel a₀ + a₁s + a₂s² only grows with s:
         with signed inputs the parabola weights an anti-aligned key (s ≪ −1) about as much
-        as an aligned one (docs/maths.md §14, non-negative inputs)."""
+        as an aligned one (docs/maths.md §14, non-negative inputs). ``input_map:
+        sign_split``: q and k become [q⁺, q⁻]·2^{1/4} (2·head_dim entries) before the map, so
+        s = (q⁺·k⁺ + q⁻·k⁻)/√d ≥ 0: the same monotone kernel, which keeps both signs' information
+        (an entry counts where q and k agree in sign); 1 + 2d + d(2d+1) features, and the
+        fused kernels (whose values share the keys' width) do not take it (docs/maths.md §14,
+        sign-split inputs)."""
         super().__init__(head_dim=head_dim, num_heads=num_heads, **common)
+        if input_map not in get_args(InputMap):
+            valid = ", ".join(get_args(InputMap))
+            raise ValueError(f"input_map must be one of {valid}; got {input_map!r}")
+        # The width the map takes: sign_split doubles it.
+        map_dim = 2 * head_dim if input_map == "sign_split" else head_dim
+        if input_map == "sign_split":
+            for option, on in (("native_fused", native_fused), ("triton_fused", triton_fused)):
+                if on:
+                    raise ValueError(
+                        f"{option}: true fuses values as wide as the keys; input_map: "
+                        f"sign_split makes the keys twice as wide as the values: set "
+                        f"{option}: false (native_map: true is the fast path it takes)"
+                    )
         if auto_kernels:
             asked = [
                 name
@@ -170,7 +201,7 @@ class MaclaurinAttention(FeatureAttention):
                     f"this config also sets {', '.join(asked)}: drop it, or set "
                     "auto_kernels: false"
                 )
-            choice = choose_kernels(head_dim, degree)
+            choice = choose_kernels(map_dim, degree, fused_ok=input_map != "sign_split")
             native_map, native_fused = choice["native_map"], choice["native_fused"]
             triton_fused, feature_dtype = choice["triton_fused"], choice["feature_dtype"]
             self.kernel_choice = "auto: " + choice["why"]
@@ -183,10 +214,7 @@ class MaclaurinAttention(FeatureAttention):
                 feature_dtype=feature_dtype,
             )
         self.auto_kernels = auto_kernels
-        if input_map not in get_args(InputMap):
-            valid = ", ".join(get_args(InputMap))
-            raise ValueError(f"input_map must be one of {valid}; got {input_map!r}")
-        self.input_map = input_map
+        self.input_map, self.map_dim = input_map, map_dim
         if degree not in (1, 2):
             raise ValueError(f"degree must be 1 or 2 (d^degree features); got {degree!r}")
         if feature_dtype not in FEATURE_DTYPES:
@@ -207,9 +235,9 @@ class MaclaurinAttention(FeatureAttention):
                 "native_map: true is the degree-2 map's kernel; degree 1's map is a "
                 "concatenation with nothing to speed up: set native_map: false"
             )
-        if native_map and head_dim > MAX_HEAD_DIM:
+        if native_map and map_dim > MAX_HEAD_DIM:
             raise ValueError(
-                f"native_map: true takes head_dim ≤ {MAX_HEAD_DIM}; got {head_dim}: "
+                f"native_map: true takes head_dim ≤ {MAX_HEAD_DIM}; got {map_dim}: "
                 "set native_map: false"
             )
         if native_fused and degree != 2:
@@ -250,10 +278,10 @@ class MaclaurinAttention(FeatureAttention):
         self.target_kernel, self.degree = kernel, degree
         self.own_kernel = self.kernel.series(degree)  # exact for these features
         a = [self.kernel.coefficient(n) for n in range(degree + 1)]
-        rows, cols = torch.triu_indices(head_dim, head_dim)  # row-major: the slices' order
+        rows, cols = torch.triu_indices(map_dim, map_dim)  # row-major: the slices' order
         weight = torch.where(rows == cols, 1.0, 2.0).double()
         scale = torch.cat(
-            [torch.tensor([math.sqrt(a[0])]), torch.full((head_dim,), math.sqrt(a[1]))]
+            [torch.tensor([math.sqrt(a[0])]), torch.full((map_dim,), math.sqrt(a[1]))]
             + ([torch.sqrt(a[2] * weight)] if degree == 2 else [])
         )
         self.register_buffer("_scale", scale.float(), persistent=False)
@@ -270,9 +298,13 @@ class MaclaurinAttention(FeatureAttention):
         )
 
     def kernel_inputs(self, q, k):
-        """(q, k) through ``input_map``: max(·, 0) of each for ``relu``."""
+        """(q, k) through ``input_map``: max(·, 0) of each for ``relu``; [x⁺, x⁻]·2^{1/4} of
+        each for ``sign_split`` (the map divides by (2d)^{1/4}, so s = (q⁺·k⁺ + q⁻·k⁻)/√d,
+        bounded as q·k/√d is: |[x⁺, x⁻]| = |x|)."""
         if self.input_map == "relu":
             return torch.relu(q), torch.relu(k)
+        if self.input_map == "sign_split":
+            return sign_split(q), sign_split(k)
         return q, k
 
     def reference_features(self, q, k, key_padding_mask):

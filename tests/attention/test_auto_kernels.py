@@ -41,6 +41,17 @@ def test_a_cpu_with_a_compiler_takes_the_native_kernels():
 def test_head_sizes_the_fused_kernel_lacks_keep_the_native_map():
     attn = _core(_auto(head_dim=24))
     assert attn.native_map and not attn.native_fused
+    # The rows' dtype still follows what the CPU multiplies (the unfused GEMMs take bfloat16).
+    assert attn.feature_dtype == ("bfloat16" if bf16_dot(CXX) else "float32")
+
+
+@needs_cxx
+def test_sign_split_takes_the_native_map_without_the_fused_kernels(monkeypatch):
+    monkeypatch.setattr(maclaurin_module, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    attn = _core(_auto(head_dim=16, input_map="sign_split"))
+    assert attn.native_map and not (attn.native_fused or attn.triton_fused)
+    assert attn.feature_dtype == ("bfloat16" if bf16_dot(CXX) else "float32")
 
 
 def test_no_compiler_and_no_gpu_is_eager_float32(monkeypatch):

@@ -140,5 +140,89 @@ def test_relu_inputs_in_decoding_steps():
 
 
 def test_unknown_input_map_is_refused():
-    with pytest.raises(ValueError, match="input_map must be one of identity, relu; got 'abs'"):
+    with pytest.raises(
+        ValueError, match="input_map must be one of identity, relu, sign_split; got 'abs'"
+    ):
         build_attention("maclaurin", head_dim=8, num_heads=2, input_map="abs")
+
+
+def _split(x):
+    return torch.cat([x.relu(), (-x).relu()], -1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sign_split_inputs_weight_keys_by_agreeing_signs(causal):
+    """``input_map: sign_split``: the weights are 1 + s + s²/2 of s = (q⁺·k⁺ + q⁻·k⁻)/√d, the
+    sum over the entries where q and k agree in sign (≥ 0, so an anti-aligned key gets an
+    orthogonal one's weight, not an aligned one's), forward and reference alike, from
+    1 + 2d + d(2d + 1) features; every entry of q and k gets a gradient."""
+    q, k, v, mask = _relu_case()
+    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="sign_split").double()
+    assert attn.num_features == 1 + 16 + 8 * 17
+    s = q.relu() @ k.relu().transpose(-1, -2) + (-q).relu() @ (-k).relu().transpose(-1, -2)
+    s = s / 8**0.5
+    torch.testing.assert_close(s, _split(q) @ _split(k).transpose(-1, -2) / 8**0.5)
+    assert s.min() >= 0 and (q @ k.transpose(-1, -2)).min() < -1.0
+    keep = keep_mask(q, k, mask, causal)
+    expected = weighted_average(1 + s + s**2 / 2, v, keep)
+    q_, k_ = q.clone().requires_grad_(), k.clone().requires_grad_()
+    out = attn(q_, k_, v, key_padding_mask=mask, causal=causal)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(out * real, expected * real)
+    reference = attn.reference(q, k, v, key_padding_mask=mask, causal=causal)
+    torch.testing.assert_close(reference * real, expected * real)
+    (out * real).sum().backward()
+    # relu's map passes negative entries no gradient; the split passes every one that meets
+    # a query negative there (all of them bidirectionally; a late causal key meets few).
+    if not causal:
+        assert q_.grad[(q < 0) & real].ne(0).all() and k_.grad[(k < 0) & real].ne(0).all()
+    relu = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="relu").double()
+    assert (relu(q, k, v, key_padding_mask=mask, causal=causal) - out).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"native_map": True}, {"native_map": True, "feature_dtype": "bfloat16"},
+     {"compile_map": True}],
+    ids=["eager", "native_map", "native_map_bf16", "compile_map"],
+)  # fmt: skip
+def test_sign_split_inputs_are_mapped_once_on_every_path(options, causal):
+    """Every path the split takes gives the same bits as that path's signed backend of twice
+    the head size on [q⁺, q⁻]·2^{1/4}, [k⁺, k⁻]·2^{1/4}: the map sees the split inputs once."""
+    if options and CXX is None:
+        pytest.skip("no C++ compiler")
+    q, k, v, mask = _relu_case(seed=1, dtype=torch.float32, N=37, d=16)
+    split = build_attention(
+        "maclaurin", head_dim=16, num_heads=2, input_map="sign_split", **options
+    )
+    signed = build_attention("maclaurin", head_dim=32, num_heads=2, **options)
+    real = mask[:, None, :, None]
+    results = []
+    for attn, mapped in ((split, False), (signed, True)):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        qi, ki = (_split(q_) * 2**0.25, _split(k_) * 2**0.25) if mapped else (q_, k_)
+        out = attn(qi, ki, v_, key_padding_mask=mask, causal=causal)
+        (out * real).sum().backward()
+        results.append((out * real, q_.grad, k_.grad, v_.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_sign_split_inputs_in_decoding_steps():
+    q, k, v, _ = _relu_case(seed=2, N=6)
+    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="sign_split").double()
+    full = attn(q, k, v, causal=True)
+    state = None
+    for t in range(6):
+        out, state = attn.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+        torch.testing.assert_close(out, full[:, :, t : t + 1])
+
+
+@pytest.mark.parametrize("option", ["native_fused", "triton_fused"])
+def test_sign_split_refuses_the_fused_kernels(option):
+    """The fused kernels take values as wide as the keys; the split keys are twice as wide."""
+    with pytest.raises(ValueError, match=f"^{option}: true fuses values as wide as the keys"):
+        build_attention(
+            "maclaurin", head_dim=16, num_heads=2, input_map="sign_split", **{option: True}
+        )
