@@ -82,11 +82,22 @@ def test_relu_inputs_weight_keys_by_the_positive_parts(causal):
     weight of an orthogonal key, so an anti-aligned key no longer gets an aligned one's
     weight), forward and reference alike; q's and k's negative entries get no gradient."""
     q, k, v, mask = _relu_case()
-    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="relu").double()
     s = q.relu() @ k.relu().transpose(-1, -2) / 8**0.5
     assert (q @ k.transpose(-1, -2)).min() < -1.0  # signed inputs would reach the far side
-    keep = keep_mask(q, k, mask, causal)
-    expected = weighted_average(1 + s + s**2 / 2, v, keep)
+    attn, out, gq, gk = _weighted_by(s, "relu", causal)
+    assert gq[q < 0].abs().max() == 0 and gk[k < 0].abs().max() == 0
+    assert gq[q > 0].abs().max() > 0
+    signed = build_attention("maclaurin", head_dim=8, num_heads=2).double()
+    assert (signed(q, k, v, key_padding_mask=mask, causal=causal) - out).abs().max() > 1e-2
+
+
+def _weighted_by(s, input_map, causal):
+    """The ``input_map`` backend on ``_relu_case()``: its output and its reference are the
+    average of v weighted by 1 + s + s²/2 over the visible keys; returns the backend, the
+    output and ∂q, ∂k of the real rows' sum."""
+    q, k, v, mask = _relu_case()
+    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map=input_map).double()
+    expected = weighted_average(1 + s + s**2 / 2, v, keep_mask(q, k, mask, causal))
     q_, k_ = q.clone().requires_grad_(), k.clone().requires_grad_()
     out = attn(q_, k_, v, key_padding_mask=mask, causal=causal)
     real = mask[:, None, :, None]
@@ -94,10 +105,7 @@ def test_relu_inputs_weight_keys_by_the_positive_parts(causal):
     reference = attn.reference(q, k, v, key_padding_mask=mask, causal=causal)
     torch.testing.assert_close(reference * real, expected * real)
     (out * real).sum().backward()
-    assert q_.grad[q < 0].abs().max() == 0 and k_.grad[k < 0].abs().max() == 0
-    assert q_.grad[q > 0].abs().max() > 0
-    signed = build_attention("maclaurin", head_dim=8, num_heads=2).double()
-    assert (signed(q, k, v, key_padding_mask=mask, causal=causal) - out).abs().max() > 1e-2
+    return attn, out.detach(), q_.grad, k_.grad
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -111,16 +119,22 @@ def test_relu_inputs_are_mapped_once_on_every_path(options, causal):
     """Every kernel path takes q⁺ and k⁺: the relu backend's output and gradients are the
     same path's signed backend's on relu(q), relu(k) (the same bits), so no path skips the
     map (mapping twice would change nothing: max(·, 0) is idempotent)."""
+    _assert_mapped_once("relu", 32, 32, torch.relu, options, causal)
+
+
+def _assert_mapped_once(input_map, d, signed_d, mapping, options, causal):
+    """The ``input_map`` backend's output and gradients are the same path's signed backend's
+    (head size ``signed_d``) on mapping(q), mapping(k), bit for bit."""
     if options and CXX is None:
         pytest.skip("no C++ compiler")
-    q, k, v, mask = _relu_case(seed=1, dtype=torch.float32, N=37, d=32)
-    relu = build_attention("maclaurin", head_dim=32, num_heads=2, input_map="relu", **options)
-    signed = build_attention("maclaurin", head_dim=32, num_heads=2, **options)
+    q, k, v, mask = _relu_case(seed=1, dtype=torch.float32, N=37, d=d)
+    mapped = build_attention("maclaurin", head_dim=d, num_heads=2, input_map=input_map, **options)
+    signed = build_attention("maclaurin", head_dim=signed_d, num_heads=2, **options)
     real = mask[:, None, :, None]
     results = []
-    for attn, mapped in ((relu, False), (signed, True)):
+    for attn, map_first in ((mapped, False), (signed, True)):
         q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
-        qi, ki = (q_.relu(), k_.relu()) if mapped else (q_, k_)
+        qi, ki = (mapping(q_), mapping(k_)) if map_first else (q_, k_)
         out = attn(qi, ki, v_, key_padding_mask=mask, causal=causal)
         (out * real).sum().backward()
         results.append((out * real, q_.grad, k_.grad, v_.grad))
@@ -128,10 +142,11 @@ def test_relu_inputs_are_mapped_once_on_every_path(options, causal):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_relu_inputs_in_decoding_steps():
+@pytest.mark.parametrize("input_map", ["relu", "sign_split"])
+def test_mapped_inputs_in_decoding_steps(input_map):
     """``step`` maps q and k too: each step's output is the causal pass's row."""
     q, k, v, _ = _relu_case(seed=2, N=6)
-    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="relu").double()
+    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map=input_map).double()
     full = attn(q, k, v, causal=True)
     state = None
     for t in range(6):
@@ -157,25 +172,17 @@ def test_sign_split_inputs_weight_keys_by_agreeing_signs(causal):
     orthogonal one's weight, not an aligned one's), forward and reference alike, from
     1 + 2d + d(2d + 1) features; every entry of q and k gets a gradient."""
     q, k, v, mask = _relu_case()
-    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="sign_split").double()
-    assert attn.num_features == 1 + 16 + 8 * 17
     s = q.relu() @ k.relu().transpose(-1, -2) + (-q).relu() @ (-k).relu().transpose(-1, -2)
     s = s / 8**0.5
     torch.testing.assert_close(s, _split(q) @ _split(k).transpose(-1, -2) / 8**0.5)
     assert s.min() >= 0 and (q @ k.transpose(-1, -2)).min() < -1.0
-    keep = keep_mask(q, k, mask, causal)
-    expected = weighted_average(1 + s + s**2 / 2, v, keep)
-    q_, k_ = q.clone().requires_grad_(), k.clone().requires_grad_()
-    out = attn(q_, k_, v, key_padding_mask=mask, causal=causal)
-    real = mask[:, None, :, None]
-    torch.testing.assert_close(out * real, expected * real)
-    reference = attn.reference(q, k, v, key_padding_mask=mask, causal=causal)
-    torch.testing.assert_close(reference * real, expected * real)
-    (out * real).sum().backward()
+    attn, out, gq, gk = _weighted_by(s, "sign_split", causal)
+    assert attn.num_features == 1 + 16 + 8 * 17
     # relu's map passes negative entries no gradient; the split passes every one that meets
     # a query negative there (all of them bidirectionally; a late causal key meets few).
+    real = mask[:, None, :, None]
     if not causal:
-        assert q_.grad[(q < 0) & real].ne(0).all() and k_.grad[(k < 0) & real].ne(0).all()
+        assert gq[(q < 0) & real].ne(0).all() and gk[(k < 0) & real].ne(0).all()
     relu = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="relu").double()
     assert (relu(q, k, v, key_padding_mask=mask, causal=causal) - out).abs().max() > 1e-2
 
@@ -190,33 +197,7 @@ def test_sign_split_inputs_weight_keys_by_agreeing_signs(causal):
 def test_sign_split_inputs_are_mapped_once_on_every_path(options, causal):
     """Every path the split takes gives the same bits as that path's signed backend of twice
     the head size on [q⁺, q⁻]·2^{1/4}, [k⁺, k⁻]·2^{1/4}: the map sees the split inputs once."""
-    if options and CXX is None:
-        pytest.skip("no C++ compiler")
-    q, k, v, mask = _relu_case(seed=1, dtype=torch.float32, N=37, d=16)
-    split = build_attention(
-        "maclaurin", head_dim=16, num_heads=2, input_map="sign_split", **options
-    )
-    signed = build_attention("maclaurin", head_dim=32, num_heads=2, **options)
-    real = mask[:, None, :, None]
-    results = []
-    for attn, mapped in ((split, False), (signed, True)):
-        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
-        qi, ki = (_split(q_) * 2**0.25, _split(k_) * 2**0.25) if mapped else (q_, k_)
-        out = attn(qi, ki, v_, key_padding_mask=mask, causal=causal)
-        (out * real).sum().backward()
-        results.append((out * real, q_.grad, k_.grad, v_.grad))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_sign_split_inputs_in_decoding_steps():
-    q, k, v, _ = _relu_case(seed=2, N=6)
-    attn = build_attention("maclaurin", head_dim=8, num_heads=2, input_map="sign_split").double()
-    full = attn(q, k, v, causal=True)
-    state = None
-    for t in range(6):
-        out, state = attn.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
-        torch.testing.assert_close(out, full[:, :, t : t + 1])
+    _assert_mapped_once("sign_split", 16, 32, lambda x: _split(x) * 2**0.25, options, causal)
 
 
 @pytest.mark.parametrize("option", ["native_fused", "triton_fused"])
