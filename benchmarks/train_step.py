@@ -25,7 +25,9 @@ Backends (``--backends``), options read from ``configs/attention/*.yaml``: ``sof
 kernel on CPUs, Triton's on GPUs), ``macformer_fused_bf16`` (the same with ``feature_dtype:
 bfloat16``: bfloat16 dot products), ``macformer_fused_bf16_eager_sbn`` (the same with
 ppSBN's eager passes: ``native_sbn: false``), ``macformer_fused_bf16_triton_sbn`` (the same
-with ``triton_sbn: true``: ppSBN's passes as Triton kernels on a GPU), ``macformer_auto``
+with ``triton_sbn: true``: ppSBN's passes as Triton kernels on a GPU),
+``macformer_sign_split`` (``macformer_native`` with ``input_map: sign_split`` and native
+ppSBN: 2,145 features at head_dim 32), ``macformer_auto``
 (maclaurin_ppsbn_auto.yaml: the kernels this machine chooses),
 ``maclaurin_nosbn``
 (maclaurin.yaml), ``release`` (rmfa_exp_release.yaml), ``uniform``, ``uniform_prefix`` (not
@@ -259,6 +261,13 @@ def all_backends(config_dir: Path) -> list[Backend]:
                  "feature_dtype": "bfloat16", "triton_sbn": True},
                 "attention/maclaurin_ppsbn_fused.yaml + feature_dtype: bfloat16, "
                 "triton_sbn: true"),
+        Backend("macformer_sign_split",
+                "degree-2 Maclaurin + ppSBN on [x+, x-] (input_map: sign_split), bf16 rows, "
+                "native map and ppSBN (CPU) / compiled map",
+                {**attention_yaml(config_dir, "maclaurin_ppsbn_fast"), "native_map": True,
+                 "native_sbn": True, "input_map": "sign_split"},
+                "attention/maclaurin_ppsbn_fast.yaml + native_map: true, native_sbn: true, "
+                "input_map: sign_split"),
         Backend("macformer_auto", "degree-2 Maclaurin + ppSBN, kernels chosen by the machine",
                 attention_yaml(config_dir, "maclaurin_ppsbn_auto"),
                 "attention/maclaurin_ppsbn_auto.yaml"),
