@@ -161,14 +161,16 @@ def test_telemetry_measures_the_degree2_map_against_its_own_kernel():
     assert "nmse_own" not in telemetry.measure(rmfa, q / 8, k / 8, v, None, False)
 
 
-def test_telemetry_takes_the_inputs_as_the_kernel_does():
-    """With ``input_map: relu`` the backend's kernel sees q⁺ and k⁺: the telemetry's exact
-    attentions and logits take them so (NMSE against its own kernel float32 rounding, logits
-    ≥ 0), where against the signed inputs' kernel the same output is far off."""
+@pytest.mark.parametrize("input_map", ["relu", "sign_split"])
+def test_telemetry_takes_the_inputs_as_the_kernel_does(input_map):
+    """With ``input_map: relu`` the backend's kernel sees q⁺ and k⁺ (``sign_split``: the
+    split [x⁺, x⁻]): the telemetry's exact attentions and logits take them so (NMSE against
+    its own kernel float32 rounding, logits ≥ 0), where against the signed inputs' kernel the
+    same output is far off."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (3.0 * torch.randn(2, 2, 40, D, generator=g) for _ in "qkv")
     telemetry = AttentionTelemetry()
-    core = build_attention("maclaurin", head_dim=D, num_heads=2, input_map="relu")
+    core = build_attention("maclaurin", head_dim=D, num_heads=2, input_map=input_map)
     metrics = telemetry.measure(core, q, k, v, None, False)
     assert metrics["nmse_own"] < 1e-10
     assert metrics["logit_min"] >= 0.0
