@@ -423,7 +423,8 @@ def attention_layout(model: nn.Module, backend: Backend, preset: dict) -> list[d
             S = 0
         with torch.no_grad():
             x = torch.randn(1, H, 4, d, dtype=core_dtype(core))
-            rows = int(core._key_features(x, None, None)[0].shape[-2])
+            # Through the core's input map first (sign_split doubles the map's input).
+            rows = int(core._key_features(core.kernel_inputs(x, x)[1], None, None)[0].shape[-2])
         layers.append({"kind": "feature", "S": S, "D": rows})
     return layers
 
