@@ -237,8 +237,8 @@ class MaclaurinAttention(FeatureAttention):
             )
         if native_map and map_dim > MAX_HEAD_DIM:
             raise ValueError(
-                f"native_map: true takes head_dim ≤ {MAX_HEAD_DIM}; got {map_dim}: "
-                "set native_map: false"
+                f"native_map: true takes head_dim ≤ {MAX_HEAD_DIM} (≤ {MAX_HEAD_DIM // 2} with "
+                f"input_map: sign_split); got {map_dim} map inputs: set native_map: false"
             )
         if native_fused and degree != 2:
             raise ValueError(

@@ -190,6 +190,8 @@ def test_without_openmp_the_same_bits(tmp_path, monkeypatch):
     [
         (dict(native_map=True, degree=1), "native_map: true is the degree-2 map's kernel"),
         (dict(native_map=True, head_dim=2048), "native_map: true takes head_dim ≤ 1024"),
+        (dict(native_map=True, head_dim=768, input_map="sign_split"),
+         "≤ 512 with input_map: sign_split\\); got 1536 map inputs"),
         (dict(native_fused=True, degree=1), "native_fused: true is the degree-2 map's fused"),
         (dict(native_fused=True, head_dim=24),
          "native_fused: true takes head_dim 16, 32, 48, 64; got 24"),
