@@ -13,7 +13,7 @@ import torch
 import macformer_lit.attention.features as features
 import macformer_lit.attention.pieces as pieces
 from macformer_lit.attention import build_attention, get_kernel
-from macformer_lit.attention.feature_attention import causal_product
+from macformer_lit.attention.feature_attention import _chunk_prefix, causal_product
 from macformer_lit.attention.features import (
     MIN_DEGREE,
     MaclaurinMap,
@@ -143,6 +143,78 @@ def test_chunked_causal_equals_prefix_sums(nc, chunk):
     seq = lambda phi: phi.transpose(-1, -2).flatten(2, 3)  # noqa: E731  (B, H, N, D')
     expected = prefix_sum_product(seq(phi_q), seq(phi_k), v.flatten(2, 3))
     torch.testing.assert_close(causal_product(phi_q, phi_k, v).flatten(2, 3), expected)
+
+
+def _eager_causal_product(phi_q, phi_k, v1):
+    """The chunked product as the plain expression autograd differentiates (cumsum prefix)."""
+    C = v1.shape[-2]
+    low = v1.to(phi_k.dtype)
+    keep = torch.ones(C, C, dtype=torch.bool).tril()
+    scores = (phi_q.transpose(-1, -2) @ phi_k).masked_fill(~keep, 0.0)
+    kv = (phi_k @ low).to(v1.dtype)
+    state = torch.nn.functional.pad(kv.cumsum(-3)[..., :-1, :, :], (0, 0, 0, 0, 1, 0))
+    out = (scores @ low).to(v1.dtype)
+    return out + (phi_q.transpose(-1, -2) @ state.to(phi_q.dtype)).to(v1.dtype)
+
+
+@pytest.mark.parametrize(
+    "rows,nc,chunk",
+    [(torch.float64, 1, 5), (torch.float64, 4, 3), (torch.bfloat16, 3, 8)],
+    ids=["float64-one-chunk", "float64", "bfloat16-rows"],
+)
+def test_chunked_causal_gradients_equal_autograds(rows, nc, chunk):
+    """The written-out backward of ``causal_product`` gives autograd's gradients of the plain
+    expression (a cumsum prefix): float64 to rounding. With bfloat16 rows and float32 values
+    (the same casts) every output and gradient is within 8 bfloat16 roundings (u = 2⁻⁸ each:
+    the casts of the upstream gradient and v, the rounded products and their sum) of
+    Σ|terms|, the same expression in float64 over the inputs' absolute values, from the
+    float64 result of the same inputs, as autograd's is."""
+    g = torch.Generator().manual_seed(nc + chunk)
+    values = torch.float64 if rows == torch.float64 else torch.float32
+    phi_q0, phi_k0 = (
+        torch.randn(2, 3, nc, 9, chunk, generator=g, dtype=torch.float64).to(rows) for _ in "qk"
+    )
+    v0 = torch.randn(2, 3, nc, chunk, 5, generator=g, dtype=values)
+    weight = torch.randn(2, 3, nc, chunk, 5, generator=g, dtype=values)
+
+    def run(fn, dtype=None, magnitude=False):
+        inputs = [t.to(dtype).clone() for t in (phi_q0, phi_k0, v0)]
+        if magnitude:
+            inputs = [t.abs() for t in inputs]
+        phi_q, phi_k, v = (t.requires_grad_() for t in inputs)
+        out = fn(phi_q, phi_k, v)
+        (out * (weight.abs().to(dtype) if magnitude else weight)).sum().backward()
+        return out, phi_q.grad, phi_k.grad, v.grad
+
+    ours, autograds = run(causal_product), run(_eager_causal_product)
+    if rows == torch.float64:
+        for a, b in zip(ours, autograds):
+            torch.testing.assert_close(a, b)
+        return
+    exact = run(_eager_causal_product, torch.float64)
+    scale = run(_eager_causal_product, torch.float64, magnitude=True)
+    for name, a, b, e, m in zip(("out", "phi_q", "phi_k", "v"), ours, autograds, exact, scale):
+        assert a.dtype == b.dtype
+        bound = 8 * 2.0**-8 * m
+        for path, t in (("ours", a), ("autograd", b)):
+            excess = ((t.double() - e).abs() - bound).max().item()
+            assert excess <= 0, (name, path, excess)
+
+
+def test_chunk_prefix_sees_earlier_chunks_only():
+    """The GEMM prefix over chunks: chunk c gets the sum of chunks < c, the reverse one of
+    chunks > c, exactly (0/1 products), and a changed later chunk leaves earlier ones' bits."""
+    g = torch.Generator().manual_seed(0)
+    state = torch.randn(2, 3, 5, 4, 6, generator=g)
+    before, after = _chunk_prefix(state, later=False), _chunk_prefix(state, later=True)
+    for c in range(5):
+        torch.testing.assert_close(before[:, :, c], state[:, :, :c].sum(2), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            after[:, :, c], state[:, :, c + 1 :].sum(2), rtol=1e-6, atol=1e-6
+        )
+    changed = state.clone()
+    changed[:, :, 3:] = torch.randn(2, 3, 2, 4, 6, generator=g) * 100
+    assert torch.equal(_chunk_prefix(changed, later=False)[:, :, :4], before[:, :, :4])
 
 
 def test_orthogonal_gaussian_rows():
