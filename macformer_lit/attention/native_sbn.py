@@ -82,6 +82,46 @@ def _moment(lib, x, w, mean) -> torch.Tensor:
     return out
 
 
+def batch_statistics(moment, n, eps, reduce):
+    """(μ, σ², 1/σ, −μ/σ), (H, d) float32 each, from ``moment(mean)``: the (H, d) float64
+    Σ w·x (mean None) or Σ w·(x − mean)² of this rank, all-reduced by ``reduce`` and divided
+    by the count ``n`` over the ranks. Pre-SBN's forward head, here and in triton_sbn.py."""
+    nd = n.double()
+    mean = (reduce(moment(None)) / nd).float()
+    var = (reduce(moment(mean)) / nd).float()
+    inv_std = torch.rsqrt(var + eps)
+    return mean, var, inv_std, -mean * inv_std
+
+
+def pre_sbn_buffers(x, tau):
+    """(y, τ·y or None, ‖z‖, τ as (H,) float32 or None): what the normalisation pass writes
+    for x (B, H, L, d), y contiguous float32 whatever x's layout and dtype."""
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    y_tau = None if tau is None else torch.empty_like(y)
+    t = None if tau is None else tau.detach().float().reshape(x.shape[1]).contiguous()
+    return y, y_tau, y.new_empty(x.shape[:-1]), t
+
+
+def finish_pre_sbn(ctx, x, buffers, inv_std, w, n, mean, var):
+    """Pre-SBN's forward tail: keep what the backward reads (y, ‖z‖, 1/σ, w, n, τ and x's
+    layout) and return (y or τ·y, μ, σ²), μ and σ² (H, 1, d) without gradients."""
+    y, y_tau, norm, t = buffers
+    ctx.save_for_backward(y, norm, inv_std, w, n, t)
+    ctx.x_meta = (x.shape, x.stride(), x.dtype, _dense(x))
+    mean, var = mean[:, None], var[:, None]
+    ctx.mark_non_differentiable(mean, var)
+    return (y if y_tau is None else y_tau), mean, var
+
+
+def grad_input_buffer(ctx, y):
+    """∂x's buffer: in x's layout where x was dense (the projections' transposed view takes
+    it back without a copy), else contiguous; x's dtype, on y's device."""
+    shape, stride, dtype, dense = ctx.x_meta
+    if dense:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=y.device)
+    return y.new_empty(shape, dtype=dtype)
+
+
 def normalise(x, shift, inv_std, compiler: str) -> torch.Tensor:
     """y = z/‖z‖ per row, z = shift + x·inv_std ((H, 1, d) each), without a graph (the
     running estimates' path: evaluation, leak-free training)."""
@@ -108,26 +148,17 @@ class NativeStandardiseNormalise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, n, eps, tau, compiler, reduce):
         lib, x = library(compiler), _rows(x)
-        B, H, L, d = x.shape
-        nd = n.double()
-        mean = (reduce(_moment(lib, x, w, None)) / nd).float()
-        var = (reduce(_moment(lib, x, w, mean)) / nd).float()
-        inv_std = torch.rsqrt(var + eps)
-        shift = -mean * inv_std
-        y = torch.empty(x.shape, dtype=torch.float32)  # contiguous, whatever x's layout
-        y_tau = None if tau is None else torch.empty_like(y)
-        norm = y.new_empty(B, H, L)
-        t = None if tau is None else tau.detach().float().reshape(H).contiguous()
+        mean, var, inv_std, shift = batch_statistics(
+            lambda mu: _moment(lib, x, w, mu), n, eps, reduce
+        )
+        buffers = pre_sbn_buffers(x, tau)
+        y, y_tau, norm, t = buffers
         lib.sbn_normalise(
             x.data_ptr(), shift.data_ptr(), inv_std.data_ptr(), _ptr(t), y.data_ptr(),
             _ptr(y_tau), norm.data_ptr(), *_strides(x), *_dims(x, _bf16(x)),
         )  # fmt: skip
-        ctx.save_for_backward(y, norm, inv_std, w, n, t)
         ctx.compiler, ctx.reduce = compiler, reduce
-        ctx.x_meta = (x.shape, x.stride(), x.dtype, _dense(x))
-        mean, var = mean[:, None], var[:, None]
-        ctx.mark_non_differentiable(mean, var)
-        return (y if tau is None else y_tau), mean, var
+        return finish_pre_sbn(ctx, x, buffers, inv_std, w, n, mean, var)
 
     @staticmethod
     @once_differentiable
@@ -142,14 +173,7 @@ class NativeStandardiseNormalise(torch.autograd.Function):
             _ptr(g_tau), *_dims(y),
         )  # fmt: skip
         means = (ctx.reduce(sums) / n.double()).float()  # (2, H, d): Σ gz/n, Σ gz·ẑ/n
-        # ∂x in x's layout where x was dense (the projections' transposed view takes it
-        # back without a copy), else contiguous.
-        shape, stride, dtype, dense = ctx.x_meta
-        gx = (
-            torch.empty_strided(shape, stride, dtype=dtype)
-            if dense
-            else y.new_empty(shape, dtype=dtype)
-        )
+        gx = grad_input_buffer(ctx, y)
         lib.sbn_backward_apply(
             y.data_ptr(), norm.data_ptr(), g.data_ptr(), _ptr(t), _ptr(w), means[0].data_ptr(),
             means[1].data_ptr(), inv_std.data_ptr(), gx.data_ptr(), *_strides(gx),

@@ -37,7 +37,13 @@ import importlib
 import torch
 from torch.autograd.function import once_differentiable
 
-from .native_sbn import _dense, _rows
+from .native_sbn import (
+    _rows,
+    batch_statistics,
+    finish_pre_sbn,
+    grad_input_buffer,
+    pre_sbn_buffers,
+)
 from .triton_fused import interpreted
 
 
@@ -126,23 +132,12 @@ class TritonStandardiseNormalise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, n, eps, tau, reduce):
         x = _rows(x)
-        B, H, L, d = x.shape
-        nd = n.double()
-        mean = (reduce(_moment(x, w, None)) / nd).float()
-        var = (reduce(_moment(x, w, mean)) / nd).float()
-        inv_std = torch.rsqrt(var + eps)
-        shift = -mean * inv_std
-        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # contiguous
-        y_tau = None if tau is None else torch.empty_like(y)
-        norm = y.new_empty(B, H, L)
-        t = None if tau is None else tau.detach().float().reshape(H).contiguous()
+        mean, var, inv_std, shift = batch_statistics(lambda mu: _moment(x, w, mu), n, eps, reduce)
+        buffers = pre_sbn_buffers(x, tau)
+        y, y_tau, norm, t = buffers
         _normalise(x, shift, inv_std, t, y, y_tau, norm)
-        ctx.save_for_backward(y, norm, inv_std, w, n, t)
         ctx.reduce = reduce
-        ctx.x_meta = (x.shape, x.stride(), x.dtype, _dense(x))
-        mean, var = mean[:, None], var[:, None]
-        ctx.mark_non_differentiable(mean, var)
-        return (y if tau is None else y_tau), mean, var
+        return finish_pre_sbn(ctx, x, buffers, inv_std, w, n, mean, var)
 
     @staticmethod
     @once_differentiable
@@ -161,14 +156,8 @@ class TritonStandardiseNormalise(torch.autograd.Function):
         total = _partial_total(part, B, H)  # (H, 2d + 1): Σ gz, Σ gz·ẑ, Σ⟨g, y⟩
         sums = torch.stack([total[:, :d], total[:, d : 2 * d]])  # (2, H, d)
         means = (ctx.reduce(sums) / n.double()).float().contiguous()
-        # ∂x in x's layout where x was dense (the projections' transposed view takes it
-        # back without a copy), else contiguous.
-        shape, stride, dtype, dense = ctx.x_meta
-        gx = (
-            torch.empty_strided(shape, stride, dtype=dtype, device=y.device)
-            if dense
-            else y.new_empty(shape, dtype=dtype)
-        )
+        gx = grad_input_buffer(ctx, y)
+        dtype = gx.dtype
         kernels.backward_apply_kernel[_grid(y, BL)](
             y, norm, g, y if t is None else t, y if w is None else w, means, inv_std, gx,
             *g.stride()[:3], *gx.stride()[:3], H, L, d, HAS_TAU=t is not None,

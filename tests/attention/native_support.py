@@ -1,7 +1,9 @@
-"""What the native-kernel tests share (test_native_map.py, test_native_fused.py, and the Triton
-kernels' triton_interpreted.py): the C++ compiler they build with (the files skip without
-one), float32's unit roundoff, the degree-2 map's coefficients, the eager float64 products
-the fused kernels are measured against, and the sizes of what autograd keeps."""
+"""What the native-kernel tests share (test_native_map.py, test_native_fused.py,
+test_native_sbn.py, and the Triton kernels' triton_interpreted.py and
+triton_sbn_interpreted.py): the C++ compiler they build with (the files skip without one),
+float32's unit roundoff, the degree-2 map's coefficients, the eager float64 products the
+fused kernels are measured against, post-SBN's power over float32's whole range, and the
+sizes of what autograd keeps."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention.maclaurin import maclaurin_rows
+from macformer_lit.attention.ppsbn import _PostSBN
 
 U32 = 2.0**-24
 CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
@@ -77,6 +80,36 @@ def assert_within_float32_rounding(
         assert err.max() > 0, name
         worst.append(float((err / s).detach().max()))
     return worst
+
+
+def assert_post_sbn_power_within_bound(post_sbn, shape, gen, device="cpu"):
+    """``post_sbn(out, γ, log β)`` (a native or Triton post-SBN) over |y| = |γ·out| from 1e-35
+    to 1e35 and β from 0.5 to 2, against the eager float64 power: with log and exp each
+    within 2 ulp the relative error is at most u·(6 + 5|t| + β|l|), l = log|y|, t = (β − 1)·l
+    (the roundings of y, of t and of the product, the functions' 2 ulp of l and of exp(t),
+    and β's own rounding times l); results beyond float32's range are ±inf and below its
+    normal range at most its smallest normal, as the eager power's. ``shape`` (B, H, L, d)."""
+    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    H, d = shape[1], shape[3]
+    exponent = torch.empty(shape).uniform_(-80, 80, generator=gen)
+    sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    out = (sign * exponent.exp()).float()
+    gamma = torch.rand(H, 1, d, generator=gen) + 0.5
+    log_beta = torch.rand(H, 1, d, generator=gen) * 1.4 - 0.7
+    found = post_sbn(*(t.to(device) for t in (out, gamma, log_beta))).double().cpu()
+    exact = _PostSBN.apply(out.double(), gamma.double(), log_beta.double())
+    y = gamma.double() * out.double()
+    beta = log_beta.double().exp()
+    log_abs = y.abs().log()
+    t = ((beta - 1) * log_abs).abs()
+    normal = (exact.abs() >= tiny) & (exact.abs() <= huge)
+    bound = U32 * (6 + 5 * t + beta * log_abs.abs()) * exact.abs()
+    assert ((found - exact).abs() <= bound)[normal].all()
+    assert normal.float().mean() > 0.5  # most of the range is tested
+    over, under = exact.abs() > huge, exact.abs() < tiny
+    assert over.any() and under.any()
+    assert torch.equal(found[over], exact[over].sign() * float("inf"))
+    assert (found[under].abs() <= tiny).all()
 
 
 def spied(monkeypatch, module, names) -> list[str]:

@@ -14,17 +14,15 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from native_support import CXX, U32, needs_cxx
+from native_support import CXX, U32, assert_post_sbn_power_within_bound, needs_cxx
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import ppsbn as ppsbn_module
 from macformer_lit.attention.native_sbn import NativePostSBN
-from macformer_lit.attention.ppsbn import _PostSBN
 
 pytestmark = needs_cxx
 
 H, D = 2, 32
-TINY, HUGE = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 def _ppsbn(name, native, gamma="head", **extra):
@@ -87,33 +85,11 @@ def test_no_further_from_float64_than_the_eager_passes(name, masked, gamma):
 
 
 def test_post_sbn_power_within_its_rounding_bound():
-    """result = y·exp((β − 1)·log|y|), y = γ·out, over |y| from 1e-35 to 1e35 and β from
-    0.5 to 2: with log and exp each within 2 ulp, the relative error is at most
-    u·(6 + 5|t| + β|l|), l = log|y|, t = (β − 1)·l (the roundings of y, of t and of the
-    product, the functions' 2 ulp of l and of exp(t), and β's own rounding times l);
-    results beyond float32's range are ±inf and below its normal range at most its
-    smallest normal, as the eager power's. The gradients' sums are covered above."""
-    g = torch.Generator().manual_seed(0)
-    B, L = 4, 4000
-    exponent = torch.empty(B, H, L, D).uniform_(-80, 80, generator=g)
-    sign = torch.randint(0, 2, (B, H, L, D), generator=g) * 2 - 1
-    out = (sign * exponent.exp()).float()
-    gamma = torch.rand(H, 1, D, generator=g) + 0.5
-    log_beta = torch.rand(H, 1, D, generator=g) * 1.4 - 0.7
-    native = NativePostSBN.apply(out, gamma, log_beta, CXX).double()
-    exact = _PostSBN.apply(out.double(), gamma.double(), log_beta.double())
-    y = gamma.double() * out.double()
-    beta = log_beta.double().exp()
-    l = y.abs().log()
-    t = ((beta - 1) * l).abs()
-    normal = (exact.abs() >= TINY) & (exact.abs() <= HUGE)
-    bound = U32 * (6 + 5 * t + beta * l.abs()) * exact.abs()
-    assert ((native - exact).abs() <= bound)[normal].all()
-    assert normal.float().mean() > 0.5  # most of the range is tested
-    over, under = exact.abs() > HUGE, exact.abs() < TINY
-    assert over.any() and under.any()
-    assert torch.equal(native[over], exact[over].sign() * float("inf"))
-    assert (native[under].abs() <= TINY).all()
+    """The native power within its rounding bound over float32's range
+    (``assert_post_sbn_power_within_bound``). The gradients' sums are covered above."""
+    gen = torch.Generator().manual_seed(0)
+    power = lambda *args: NativePostSBN.apply(*args, CXX)  # noqa: E731
+    assert_post_sbn_power_within_bound(power, (4, H, 4000, D), gen)
 
 
 def test_same_bits_on_any_thread_count():

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from native_support import U32
+from native_support import U32, assert_post_sbn_power_within_bound
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import ppsbn as ppsbn_module
@@ -28,7 +28,6 @@ if not runs_on(torch.empty(0, device=DEVICE)):
 # L = 37: under the interpreter three tiles of 16 rows (the last a part) in two summing
 # chunks of 32; on a GPU one part tile. D = 20: padded to 32 columns.
 B, H, L, D = 3, 2, 37, 20
-TINY, HUGE = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 def _identity(t):
@@ -131,32 +130,10 @@ def test_post_sbn_as_close_to_float64_as_the_eager_function(gamma):
 
 
 def test_post_sbn_power_within_its_rounding_bound():
-    """result = y·exp((β − 1)·log|y|), y = γ·out, over |y| from 1e-35 to 1e35 and β from 0.5
-    to 2: with log and exp within 2 ulp (CUDA's logf and expf; the interpreter's in float64,
-    rounded) the relative error is at most u·(6 + 5|t| + β|l|), l = log|y|, t = (β − 1)·l,
-    the native kernel's bound (test_native_sbn.py); results beyond float32's range are ±inf,
-    and below its normal range at most its smallest normal."""
-    gen = _gen(2)
-    shape = (1, H, 250, D)
-    exponent = torch.empty(shape).uniform_(-80, 80, generator=gen)
-    sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
-    out = (sign * exponent.exp()).float().to(DEVICE)
-    gamma = (torch.rand(H, 1, D, generator=gen) + 0.5).to(DEVICE)
-    log_beta = (torch.rand(H, 1, D, generator=gen) * 1.4 - 0.7).to(DEVICE)
-    found = TritonPostSBN.apply(out, gamma, log_beta).double()
-    exact = _PostSBN.apply(out.double(), gamma.double(), log_beta.double())
-    y = gamma.double() * out.double()
-    beta = log_beta.double().exp()
-    log_abs = y.abs().log()
-    t = ((beta - 1) * log_abs).abs()
-    normal = (exact.abs() >= TINY) & (exact.abs() <= HUGE)
-    bound = U32 * (6 + 5 * t + beta * log_abs.abs()) * exact.abs()
-    assert ((found - exact).abs() <= bound)[normal].all()
-    assert normal.float().mean() > 0.5
-    over, under = exact.abs() > HUGE, exact.abs() < TINY
-    assert over.any() and under.any()
-    assert torch.equal(found[over], exact[over].sign() * float("inf"))
-    assert (found[under].abs() <= TINY).all()
+    """The Triton power within the native kernel's rounding bound over float32's range
+    (``assert_post_sbn_power_within_bound``): CUDA's logf and expf are within 2 ulp, the
+    interpreter's are NumPy's in float64, rounded."""
+    assert_post_sbn_power_within_bound(TritonPostSBN.apply, (1, H, 250, D), _gen(2), DEVICE)
 
 
 def test_bfloat16_input_read_exactly_and_its_gradient_rounded_as_a_cast():
