@@ -2,11 +2,12 @@
 test_native_sbn.py, and the Triton kernels' triton_interpreted.py and
 triton_sbn_interpreted.py): the C++ compiler they build with (the files skip without one),
 float32's unit roundoff, the degree-2 map's coefficients, the eager float64 products the
-fused kernels are measured against, post-SBN's power over float32's whole range, and the
-sizes of what autograd keeps."""
+fused kernels are measured against, post-SBN's power over float32's whole range, one
+training call of a ppSBN attention, and the sizes of what autograd keeps."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -110,6 +111,21 @@ def assert_post_sbn_power_within_bound(post_sbn, shape, gen, device="cpu"):
     assert over.any() and under.any()
     assert torch.equal(found[over], exact[over].sign() * float("inf"))
     assert (found[under].abs() <= tiny).all()
+
+
+def ppsbn_step_results(attn, q, k, v, mask, grad, dtype, device="cpu") -> list[torch.Tensor]:
+    """A copy of ppSBN attention ``attn`` in ``dtype`` on ``device`` after one training call:
+    its output, the gradients of q, k, v, γ, log β and τ's parameter, the running estimates
+    after the step, and the evaluation output after it."""
+    attn = copy.deepcopy(attn).to(device, dtype).train()
+    q, k, v = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
+    out = attn(q, k, v, key_padding_mask=mask)
+    out.backward(grad.to(dtype))
+    params = (attn.gamma, attn.log_beta, attn.temperature_logit)
+    with torch.no_grad():
+        evaluated = attn.eval()(q, k, v, key_padding_mask=mask)
+    found = [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in params)]
+    return found + [attn.running_mean, attn.running_var, evaluated]
 
 
 def spied(monkeypatch, module, names) -> list[str]:

@@ -14,7 +14,13 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from native_support import CXX, U32, assert_post_sbn_power_within_bound, needs_cxx
+from native_support import (
+    CXX,
+    U32,
+    assert_post_sbn_power_within_bound,
+    needs_cxx,
+    ppsbn_step_results,
+)
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import ppsbn as ppsbn_module
@@ -38,18 +44,8 @@ def _ppsbn(name, native, gamma="head", **extra):
 
 
 def _run(attn, q, k, v, mask, grad, dtype):
-    """Training output, the gradients of q, k, v, γ, log β and τ's parameter, the running
-    estimates after the step, and the evaluation output after it, in float64."""
-    attn = copy.deepcopy(attn).to(dtype).train()
-    q, k, v = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
-    out = attn(q, k, v, key_padding_mask=mask)
-    out.backward(grad.to(dtype))
-    params = (attn.gamma, attn.log_beta, attn.temperature_logit)
-    with torch.no_grad():
-        evaluated = attn.eval()(q, k, v, key_padding_mask=mask)
-    found = [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in params)]
-    found += [attn.running_mean, attn.running_var, evaluated]
-    return [t.double() for t in found]
+    """``ppsbn_step_results`` in float64."""
+    return [t.double() for t in ppsbn_step_results(attn, q, k, v, mask, grad, dtype)]
 
 
 NAMES = "out ∂q ∂k ∂v ∂γ ∂logβ ∂τ running_mean running_var eval_out".split()

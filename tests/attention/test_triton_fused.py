@@ -87,6 +87,23 @@ def _has_ptxas() -> bool:
     return (root / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
+def compile_for_cuda(kernel, signature: dict, consts: dict, arch: int):
+    """``kernel`` compiled to a cubin for sm_``arch`` with Triton's own ptxas (no GPU needed):
+    ``signature`` the type of every other argument, ``consts`` the constexprs' values."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(
+        fn=kernel,
+        signature={
+            name: "constexpr" if name in consts else signature[name] for name in kernel.arg_names
+        },
+        constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+
+
 # The argument types of each kernel: pointers, the two lengths, float scalars.
 _POINTERS = {"X", "Y", "S", "OUT", "GX"}
 
@@ -99,10 +116,6 @@ def test_kernels_compile_for_cuda_without_a_gpu(arch, bf16):
     head size (64), with Triton's own ptxas: what the interpreter cannot check (layouts,
     tl.dot's shapes and precisions, registers and shared memory) fails here, not on a lent
     GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: the kernels are the interpreter's")
     from macformer_lit.attention import triton_kernels
@@ -116,12 +129,7 @@ def test_kernels_compile_for_cuda_without_a_gpu(arch, bf16):
         signature = {
             name: "*fp32" if name in _POINTERS else "i32" if name in ("L", "d") else "fp32"
             for name in kernel.arg_names
+            if name not in consts
         }
-        signature.update(dict.fromkeys(consts, "constexpr"))
-        source = ASTSource(
-            fn=kernel,
-            signature=signature,
-            constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()},
-        )
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        compiled = compile_for_cuda(kernel, signature, consts, arch)
         assert compiled.asm["cubin"], kernel

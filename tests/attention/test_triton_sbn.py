@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from native_support import needs_cxx
-from test_triton_fused import _has_ptxas, run_interpreted
+from test_triton_fused import _has_ptxas, compile_for_cuda, run_interpreted
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import maclaurin as maclaurin_module
@@ -104,10 +104,6 @@ def test_kernels_compile_for_cuda_without_a_gpu(arch, bf16):
     """Every kernel compiles to a cubin for an A100 (sm_80) and an H100 (sm_90) at head size
     64, with Triton's own ptxas: what the interpreter cannot check (float64 accumulators,
     libdevice's exp and log, layouts, registers) fails here, not on a lent GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: the kernels are the interpreter's")
     from macformer_lit.attention import triton_sbn_kernels as kernels
@@ -127,16 +123,11 @@ def test_kernels_compile_for_cuda_without_a_gpu(arch, bf16):
         signature = {}
         for arg in kernel.arg_names:
             if arg in consts:
-                signature[arg] = "constexpr"
-            elif arg.isupper() and arg not in _SIZES:
+                continue
+            if arg.isupper() and arg not in _SIZES:
                 bf16_arg = bf16 and _BF16.get(name) == arg
                 signature[arg] = "*fp64" if arg in _FLOAT64 else "*bf16" if bf16_arg else "*fp32"
             else:
                 signature[arg] = "i32"
-        source = ASTSource(
-            fn=kernel,
-            signature=signature,
-            constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()},
-        )
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        compiled = compile_for_cuda(kernel, signature, consts, arch)
         assert compiled.asm["cubin"], name

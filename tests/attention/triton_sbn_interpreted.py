@@ -10,11 +10,9 @@ one; float64 left to the eager functions."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from native_support import U32, assert_post_sbn_power_within_bound
+from native_support import U32, assert_post_sbn_power_within_bound, ppsbn_step_results
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import ppsbn as ppsbn_module
@@ -207,17 +205,8 @@ def _ppsbn(triton: bool, **extra):
 
 
 def _run(attn, q, k, v, mask, grad, dtype):
-    """Training output, the gradients of q, k, v, γ, log β and τ's parameter, the running
-    estimates after the step, and the evaluation output after it."""
-    attn = copy.deepcopy(attn).to(DEVICE, dtype).train()
-    q, k, v = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
-    out = attn(q, k, v, key_padding_mask=mask)
-    out.backward(grad.to(dtype))
-    params = (attn.gamma, attn.log_beta, attn.temperature_logit)
-    with torch.no_grad():
-        evaluated = attn.eval()(q, k, v, key_padding_mask=mask)
-    found = [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in params)]
-    return found + [attn.running_mean, attn.running_var, evaluated]
+    """``ppsbn_step_results`` on this file's device."""
+    return ppsbn_step_results(attn, q, k, v, mask, grad, dtype, DEVICE)
 
 
 NAMES = "out ∂q ∂k ∂v ∂γ ∂logβ ∂τ running_mean running_var eval_out".split()
