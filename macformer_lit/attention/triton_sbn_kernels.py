@@ -32,6 +32,21 @@ def _tile(X, at, cols, keep):
 
 
 @triton.jit
+def _keep(rows, cols, L, d):
+    """The (BL, BD) mask of a tile's real entries: rows below L, columns below d."""
+    return (rows[:, None] < L) & (cols[None, :] < d)
+
+
+@triton.jit
+def _block(block, L, d, BL: tl.constexpr, BD: tl.constexpr):
+    """(rows, cols, keep) of tile ``block`` of a group's rows: BL rows from block·BL, BD
+    columns, and the mask of the real ones."""
+    rows = block * BL + tl.arange(0, BL)
+    cols = tl.arange(0, BD)
+    return rows, cols, _keep(rows, cols, L, d)
+
+
+@triton.jit
 def _own(g, L, d, rows, cols):
     """Offsets of rows ``rows`` of group g in a contiguous (B, H, L, d) tensor."""
     return (g.to(tl.int64) * L + rows)[:, None] * d + cols[None, :]
@@ -83,7 +98,7 @@ def moment_kernel(
         mean = tl.load(MEAN + (g % H) * d + cols, mask=cols < d, other=0.0)
     for i in range(TILES):
         rows = (t * TILES + i) * BL + tl.arange(0, BL)
-        keep = (rows[:, None] < L) & (cols[None, :] < d)
+        keep = _keep(rows, cols, L, d)
         x = _tile(X, _at(g, H, sb, sh, sl, rows), cols, keep)
         if HAS_MEAN:
             x = tl.where(keep, x - mean[None, :], 0.0)
@@ -104,9 +119,7 @@ def normalise_kernel(
     least 1e-12, for tile ``block`` of group g; with HAS_TAU also Y_TAU = τ_h·y (TAU (H,))."""
     g, block = tl.program_id(0), tl.program_id(1)
     h = g % H
-    cols = tl.arange(0, BD)
-    rows = block * BL + tl.arange(0, BL)
-    keep = (rows[:, None] < L) & (cols[None, :] < d)
+    rows, cols, keep = _block(block, L, d, BL, BD)
     x = _tile(X, _at(g, H, sb, sh, sl, rows), cols, keep)
     shift = tl.load(SHIFT + h * d + cols, mask=cols < d, other=0.0)
     inv_std = tl.load(INV_STD + h * d + cols, mask=cols < d, other=0.0)
@@ -151,7 +164,7 @@ def backward_sums_kernel(
     acc_tau = tl.zeros((1,), dtype=tl.float64)
     for i in range(TILES):
         rows = (t * TILES + i) * BL + tl.arange(0, BL)
-        keep = (rows[:, None] < L) & (cols[None, :] < d)
+        keep = _keep(rows, cols, L, d)
         gz, z, gdot = _row_grad(Y, NORM, G, TAU, g, H, L, d, sb, sh, sl, rows, cols, keep, HAS_TAU)
         acc_g += tl.sum(gz, 0).to(tl.float64)
         acc_gz += tl.sum(gz * z, 0).to(tl.float64)
@@ -174,9 +187,7 @@ def backward_apply_kernel(
     written by its own (sb, sh, sl), in bfloat16 with BF16."""
     g, block = tl.program_id(0), tl.program_id(1)
     h = g % H
-    cols = tl.arange(0, BD)
-    rows = block * BL + tl.arange(0, BL)
-    keep = (rows[:, None] < L) & (cols[None, :] < d)
+    rows, cols, keep = _block(block, L, d, BL, BD)
     gz, z, _ = _row_grad(Y, NORM, G, TAU, g, H, L, d, sgb, sgh, sgl, rows, cols, keep, HAS_TAU)
     mean_g = tl.load(MEANS + h * d + cols, mask=cols < d, other=0.0)
     mean_gz = tl.load(MEANS + (H + h) * d + cols, mask=cols < d, other=0.0)
@@ -201,9 +212,7 @@ def post_forward_kernel(
     own (srb, srh, srl): the heads' merged layout."""
     g, block = tl.program_id(0), tl.program_id(1)
     hg = 0 if SHARED else g % H
-    cols = tl.arange(0, BD)
-    rows = block * BL + tl.arange(0, BL)
-    keep = (rows[:, None] < L) & (cols[None, :] < d)
+    rows, cols, keep = _block(block, L, d, BL, BD)
     out = _tile(OUT, _at(g, H, sob, soh, sol, rows), cols, keep)
     gamma = tl.load(GAMMA + hg * d + cols, mask=cols < d, other=0.0)
     beta = tl.load(BETA + hg * d + cols, mask=cols < d, other=0.0)
@@ -233,7 +242,7 @@ def post_backward_kernel(
     acc_log = tl.zeros((BD,), dtype=tl.float64)
     for i in range(TILES):
         rows = (t * TILES + i) * BL + tl.arange(0, BL)
-        keep = (rows[:, None] < L) & (cols[None, :] < d)
+        keep = _keep(rows, cols, L, d)
         own = _own(g, L, d, rows, cols)
         grad = _tile(G, _at(g, H, sgb, sgh, sgl, rows), cols, keep)
         out = _tile(OUT, _at(g, H, sob, soh, sol, rows), cols, keep)
