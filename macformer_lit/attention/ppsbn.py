@@ -467,9 +467,14 @@ class PPSBNAttention(AttentionBackend):
     def _pre_sbn_eager(self, x, mask, which: int, update: bool):
         """Row statistics, or the running estimates (evaluation, leak-free training)."""
         if self.sbn_stats == "row":
+            # z = (x − μ)/σ with σ² = ‖x − μ‖²/d + eps, then z/max(‖z‖, 1e-12): σ cancels, so
+            # y = (x − μ)/max(‖x − μ‖, 1e-12·σ), one reduction where var and normalize took
+            # three (a third of the passes, docs/maths.md §10.1); a constant row meets the
+            # same guards.
             x = x - x.mean(-1, keepdim=True)
-            x = x / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.sbn_eps)
-            return F.normalize(x, dim=-1)
+            norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+            sigma = (norm.square() / x.shape[-1] + self.sbn_eps).sqrt()
+            return x / torch.maximum(norm, 1e-12 * sigma)
         shift, scale = self._running_affine(x, mask, which, update)
         if not (torch.is_grad_enabled() and x.requires_grad):
             if self._native(x):

@@ -102,6 +102,32 @@ def test_row_statistics_option():
     torch.testing.assert_close(seen["q"], centred / centred.norm(dim=-1, keepdim=True))
 
 
+def test_row_statistics_gradients_equal_the_two_step_form():
+    """``sbn_stats: row`` computes (x − μ)/max(‖x − μ‖, 1e-12·σ) in one reduction; its output
+    and gradient equal the two written steps (standardise per row, then normalise) in
+    float64, a constant row (centred to zero: the guards act) included, finite there."""
+    attn = build_attention("softmax", head_dim=D, num_heads=H, pre_sbn=True, sbn_stats="row")
+    attn = attn.double()
+    x0 = torch.randn(2, H, 5, D, dtype=torch.float64)
+    x0[1, 0, 2] = 3.0  # a constant row
+    weight = torch.randn_like(x0)
+    results = []
+    for form in ("one", "two"):
+        x = x0.clone().requires_grad_()
+        if form == "one":
+            y = attn._pre_sbn_eager(x, None, 0, update=False)
+        else:
+            z = x - x.mean(-1, keepdim=True)
+            z = z / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + attn.sbn_eps)
+            y = torch.nn.functional.normalize(z, dim=-1)
+        (y * weight).sum().backward()
+        results.append((y, x.grad))
+    for ours, two_step in zip(*results):
+        torch.testing.assert_close(ours, two_step)
+    assert torch.equal(results[0][0][1, 0, 2], torch.zeros(D, dtype=torch.float64))
+    assert results[0][1].isfinite().all()
+
+
 @pytest.mark.parametrize("train_stats,leaks", [("batch", True), ("running", False)])
 def test_decoder_cross_attention_statistics(train_stats, leaks):
     """Cross-attention queries from a decoder: batch statistics let later queries move earlier
