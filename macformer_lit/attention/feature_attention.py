@@ -90,7 +90,7 @@ class _CausalProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v1):
-        rows, out_dtype = phi_k.dtype, v1.dtype
+        rows, out_dtype = phi_k.dtype, v1.dtype  # products in the rows' dtype, sums in v1's
         chunk = v1.shape[-2]
         keep = torch.ones(chunk, chunk, dtype=torch.bool, device=v1.device).tril()
         low = v1.to(rows)
@@ -98,13 +98,13 @@ class _CausalProduct(torch.autograd.Function):
         state = _chunk_prefix((phi_k @ low).to(out_dtype), later=False).to(rows)
         out = (scores @ low).to(out_dtype) + (phi_q.transpose(-1, -2) @ state).to(out_dtype)
         ctx.save_for_backward(phi_q, phi_k, low, scores, state, keep)
-        ctx.dtypes = (v1.dtype, out_dtype)
+        ctx.out_dtype = out_dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
         phi_q, phi_k, low, scores, state, keep = ctx.saved_tensors
-        v1_dtype, out_dtype = ctx.dtypes
+        out_dtype = ctx.out_dtype  # v1's
         g = grad.to(low.dtype)  # (..., C, e)
         d_scores = (g @ low.transpose(-1, -2)).masked_fill_(~keep, 0.0)  # (..., C, C)
         d_state = (phi_q @ g).to(out_dtype)  # (..., D', e): the gradient of each chunk's prefix
@@ -115,7 +115,7 @@ class _CausalProduct(torch.autograd.Function):
         _batched(d_phi_k).baddbmm_(_batched(d_kv), _batched(low.transpose(-1, -2)))
         d_low = scores.transpose(-1, -2) @ g
         _batched(d_low).baddbmm_(_batched(phi_k.transpose(-1, -2)), _batched(d_kv))
-        return d_phi_q, d_phi_k, d_low.to(v1_dtype)
+        return d_phi_q, d_phi_k, d_low.to(out_dtype)
 
 
 def causal_product(phi_q: torch.Tensor, phi_k: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
