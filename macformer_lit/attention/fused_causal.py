@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .feature_attention import before_each_chunk
+from .products import before_each_chunk
 
 
 def chunked_causal_products(

@@ -13,7 +13,6 @@ import torch
 import macformer_lit.attention.features as features
 import macformer_lit.attention.pieces as pieces
 from macformer_lit.attention import build_attention, get_kernel
-from macformer_lit.attention.feature_attention import _chunk_prefix, causal_product
 from macformer_lit.attention.features import (
     MIN_DEGREE,
     MaclaurinMap,
@@ -22,6 +21,7 @@ from macformer_lit.attention.features import (
     sample_maclaurin,
     sample_orthogonal_gaussian,
 )
+from macformer_lit.attention.products import _chunk_prefix, causal_product
 from macformer_lit.attention.reference import prefix_sum_product
 
 
