@@ -42,8 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from macformer_lit.attention import build_attention
+from macformer_lit.attention.eager_sbn import all_reduce
 from macformer_lit.attention.features import MaclaurinMap
-from macformer_lit.attention.ppsbn import PPSBNAttention, _all_reduce
+from macformer_lit.attention.ppsbn import PPSBNAttention
 
 try:
     from benchmarks._common import (
@@ -125,12 +126,12 @@ def _old_moments(x, mask, differentiable: bool):
     else:
         w = mask[:, None, :, None].to(x.dtype)
         n = mask.sum().to(x.dtype)
-    n = _all_reduce(n, False).clamp_min(1.0)
+    n = all_reduce(n, False).clamp_min(1.0)
     total = (x if w is None else x * w).sum((0, 2))
-    mean = _all_reduce(total, differentiable)[:, None] / n
+    mean = all_reduce(total, differentiable)[:, None] / n
     centred = (x - mean).square()
     sq = (centred if w is None else centred * w).sum((0, 2))
-    return mean, _all_reduce(sq, differentiable)[:, None] / n, n
+    return mean, all_reduce(sq, differentiable)[:, None] / n, n
 
 
 def _normalise_variant(always: bool) -> Callable:

@@ -120,13 +120,13 @@ def normalise(x, shift, inv_std) -> torch.Tensor:
 
 
 class TritonStandardiseNormalise(torch.autograd.Function):
-    """Pre-SBN with batch statistics (ppsbn._BatchStandardiseNormalise's maths) on a float32
+    """Pre-SBN with batch statistics (eager_sbn.BatchStandardiseNormalise's maths) on a float32
     or bfloat16 x (B, H, L, d) that ``runs_on`` takes, computed in float32 (y float32; ∂x in
     x's dtype and layout): y = z/‖z‖, z = (x − μ)/σ per (head, channel) over the batch and
     the real positions, times ``tau`` (H, 1, 1) where given. ``w``: (B, L) float32 weights
     of the real positions, or None; ``n``: their count over the ranks. Returns (y or τ·y, μ,
     σ²), μ and σ² (H, 1, d) without gradients. ``reduce``: the all-reduce over ranks of a
-    tensor (ppsbn._all_reduce's, non-differentiable). native_sbn.NativeStandardiseNormalise
+    tensor (eager_sbn.all_reduce's, non-differentiable). native_sbn.NativeStandardiseNormalise
     on the GPU."""
 
     @staticmethod
@@ -168,7 +168,7 @@ class TritonStandardiseNormalise(torch.autograd.Function):
 
 
 class TritonPostSBN(torch.autograd.Function):
-    """Post-SBN, sign(y)·|y|^β with y = γ·out (ppsbn._PostSBN's maths), on a float32 out
+    """Post-SBN, sign(y)·|y|^β with y = γ·out (eager_sbn.PostSBN's maths), on a float32 out
     (B, H, L, d) that ``runs_on`` takes, read by its strides; γ and log β (Hg, 1, d), Hg = H
     or 1 (shared). The result is stored in the heads' merged layout ((B, L, H, d) memory, a
     (B, H, L, d) view), which the model's merge of the heads reads without a copy; its

@@ -206,7 +206,7 @@ def test_fused_pre_sbn_and_post_sbn_gradients_are_exact(monkeypatch, masked, pie
     """The hand-written backward passes of pre-SBN (batch statistics, row normalisation) and
     post-SBN against finite differences, padded rows included, and γ, β against autograd
     through the float64 reference; whole, and over the batch one entry a piece."""
-    from macformer_lit.attention.ppsbn import _BatchStandardiseNormalise, _PostSBN
+    from macformer_lit.attention.eager_sbn import BatchStandardiseNormalise, PostSBN
 
     if pieces:
         monkeypatch.setattr(pieces_module, "PIECE_BYTES", 1)
@@ -221,13 +221,13 @@ def test_fused_pre_sbn_and_post_sbn_gradients_are_exact(monkeypatch, masked, pie
     n = mask.sum().double()
 
     def pre(t):
-        return _BatchStandardiseNormalise.apply(t, w, n, 1e-13)[0]
+        return BatchStandardiseNormalise.apply(t, w, n, 1e-13)[0]
 
     assert torch.autograd.gradcheck(pre, (x,))
     gamma = (torch.rand(H, 1, D, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
     log_beta = (torch.rand(H, 1, D, generator=g, dtype=torch.float64) - 0.5) * 0.6
     log_beta.requires_grad_()
-    assert torch.autograd.gradcheck(_PostSBN.apply, (x, gamma, log_beta))
+    assert torch.autograd.gradcheck(PostSBN.apply, (x, gamma, log_beta))
 
 
 @pytest.mark.parametrize("name", ["softmax", "rmfa"])

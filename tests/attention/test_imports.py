@@ -13,7 +13,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "macformer_lit" / "attention"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 # What reference.py checks, directly or as the backends' shared core and wrappers.
-CHECKED = ("feature_attention", "products", "ppsbn", "prefix", "registry", "spec", "rmfa", "favor")
+CHECKED = (
+    "feature_attention",
+    "products",
+    "ppsbn",
+    "eager_sbn",
+    "prefix",
+    "registry",
+    "spec",
+    "rmfa",
+    "favor",
+)
 
 
 def _package_imports(path: Path) -> tuple[set[str], list[str]]:

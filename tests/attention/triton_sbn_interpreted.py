@@ -16,7 +16,7 @@ from native_support import U32, assert_post_sbn_power_within_bound, ppsbn_step_r
 
 from macformer_lit.attention import build_attention
 from macformer_lit.attention import ppsbn as ppsbn_module
-from macformer_lit.attention.ppsbn import _BatchStandardiseNormalise, _PostSBN
+from macformer_lit.attention.eager_sbn import BatchStandardiseNormalise, PostSBN
 from macformer_lit.attention.triton_sbn import TritonPostSBN, TritonStandardiseNormalise, runs_on
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,7 +63,7 @@ def _pre(fn, x, mask, tau, g):
         y, mean, var = TritonStandardiseNormalise.apply(x, w, n, eps, tau, _identity)
     else:
         w = None if mask is None else mask[:, None, :, None].to(dtype)
-        y, mean, var = _BatchStandardiseNormalise.apply(x, w, n, eps)
+        y, mean, var = BatchStandardiseNormalise.apply(x, w, n, eps)
         y = y if tau is None else y * tau
     y.backward(g.to(y.dtype))
     return [y.detach(), mean, var, x.grad] + ([] if tau is None else [tau.grad])
@@ -99,7 +99,7 @@ def _assert_as_close_as_eager(names, found, eager, exact):
 @pytest.mark.parametrize("with_tau", [False, True], ids=["no_tau", "tau"])
 @pytest.mark.parametrize("kind", ["full", "padded"])
 def test_pre_sbn_as_close_to_float64_as_the_eager_function(kind, with_tau):
-    """y (τ·y), μ, σ², ∂x and ∂τ against _BatchStandardiseNormalise (times τ, through
+    """y (τ·y), μ, σ², ∂x and ∂τ against BatchStandardiseNormalise (times τ, through
     autograd) in float32 and float64; padded rows, those of a fully padded sequence too, are
     standardised with the real rows' statistics and get the correction-free gradient."""
     gen = _gen(0)
@@ -122,8 +122,8 @@ def test_post_sbn_as_close_to_float64_as_the_eager_function(gamma):
     gamma_ = (torch.rand(Hg, 1, D, generator=gen) + 0.5).to(DEVICE)
     log_beta = (torch.rand(Hg, 1, D, generator=gen) * 0.6 - 0.3).to(DEVICE)
     found = _post(TritonPostSBN, out, gamma_, log_beta, g)
-    eager = _post(_PostSBN, out, gamma_, log_beta, g)
-    exact = _post(_PostSBN, out.double(), gamma_.double(), log_beta.double(), g)
+    eager = _post(PostSBN, out, gamma_, log_beta, g)
+    exact = _post(PostSBN, out.double(), gamma_.double(), log_beta.double(), g)
     _assert_as_close_as_eager(["result", "∂out", "∂γ", "∂logβ"], found, eager, exact)
 
 
