@@ -42,13 +42,6 @@ def row_weights(x: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype |
     return w, all_reduce(n, False).clamp_min(1.0)
 
 
-def lerp_row(buf: torch.Tensor, which: int, target: torch.Tensor, weight: float):
-    """``buf`` with row ``which`` moved towards ``target`` (lerp), as a new tensor."""
-    rows = list(buf.unbind(0))
-    rows[which] = rows[which].lerp(target, weight)
-    return torch.stack(rows)
-
-
 def _cut(w: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
     return None if w is None else w[sl]
 

@@ -40,7 +40,6 @@ from .eager_sbn import (
     PostSBN,
     all_reduce,
     batch_total,
-    lerp_row,
     reduced,
     row_weights,
 )
@@ -53,6 +52,13 @@ from .triton_fused import triton_available
 from .triton_sbn import TritonPostSBN, TritonStandardiseNormalise
 from .triton_sbn import normalise as triton_normalise
 from .triton_sbn import runs_on as triton_runs_on
+
+
+def _lerp_row(buf: torch.Tensor, which: int, target: torch.Tensor, weight: float):
+    """``buf`` with row ``which`` moved towards ``target`` (lerp), as a new tensor."""
+    rows = list(buf.unbind(0))
+    rows[which] = rows[which].lerp(target, weight)
+    return torch.stack(rows)
 
 
 class PPSBNAttention(AttentionBackend):
@@ -336,8 +342,8 @@ class PPSBNAttention(AttentionBackend):
             # before the update) was off by up to 3 % (tests/attention/test_attention_compile.py).
             # DDP's buffer broadcast keeps the tensors it found at wrap time; harmless here:
             # the moments are all-reduced, so every rank computes the same statistics.
-            self.running_mean = lerp_row(self.running_mean, which, mean[:, 0], self.sbn_momentum)
-            self.running_var = lerp_row(self.running_var, which, unbiased[:, 0], self.sbn_momentum)
+            self.running_mean = _lerp_row(self.running_mean, which, mean[:, 0], self.sbn_momentum)
+            self.running_var = _lerp_row(self.running_var, which, unbiased[:, 0], self.sbn_momentum)
             return
         self.running_mean[which].lerp_(mean[:, 0], self.sbn_momentum)
         self.running_var[which].lerp_(unbiased[:, 0], self.sbn_momentum)
